@@ -1,0 +1,40 @@
+"""Process-wide counters that make every compile, fallback and sync visible.
+
+All layers report here; `pydisc.metrics()` returns a snapshot and `metrics_report()` formats it.
+"""
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+__all__ = ["METRICS", "Metrics"]
+
+
+@dataclass
+class Metrics:
+    compiles: int = 0                 # IREE compiler invocations
+    cache_hits: int = 0               # compiled clusters reused instead of compiled
+    executions: int = 0               # runs of compiled clusters
+    clusters: int = 0                 # clusters created by the partitioner (distinct graphs)
+    steps: int = 0                    # mark_step calls that ran something
+    graph_cache_hits: int = 0         # steps whose whole plan was reused
+    graph_cache_misses: int = 0       # steps that had to be traced, partitioned and emitted
+    materializations: int = 0         # values read before mark_step (.item(), print, ...)
+    recorded_ops: int = 0             # ATen ops recorded by the lazy dispatcher
+    compile_seconds: float = 0.0
+    plan_seconds: float = 0.0         # functionalize + partition + emit on graph cache misses
+    fallback_ops: Counter = field(default_factory=Counter)      # ATen op name -> eager runs
+    compile_failures: Counter = field(default_factory=Counter)  # reason -> count
+
+    def snapshot(self) -> dict:
+        out = {k: (dict(v) if isinstance(v, Counter) else v) for k, v in self.__dict__.items()}
+        return out
+
+    def reset(self) -> None:
+        fresh = Metrics()
+        self.__dict__.update(fresh.__dict__)
+
+
+METRICS = Metrics()
+METRICS_LOCK = threading.Lock()
