@@ -1,0 +1,121 @@
+"""The decomposition table used when a recorded step is traced into core ATen.
+
+pydisc lowers only what is left after decomposition, so every op decomposed here is one op that needs
+no hand-written lowering rule. The table is torch's own core-ATen table plus torch's decompositions of
+ops that the core set keeps whole (softmax, norms, pooling backward, ...), which torch expects backends
+to lower but which are simpler for us to see as elementwise ops and reductions.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch._decomp import core_aten_decompositions, get_decompositions
+from torch._ops import OpOverload, OpOverloadPacket
+
+__all__ = ["DECOMPOSITIONS"]
+
+aten = torch.ops.aten
+
+# Ops kept whole by core ATen that torch can still decompose for us. Ops with a hand-written rule
+# (convolution, convolution_backward, max_pool2d_with_indices, avg_pool2d, ...) are deliberately absent.
+_EXTRA: list[OpOverload | OpOverloadPacket] = [
+    aten._log_softmax,
+    aten._softmax,
+    aten._log_softmax_backward_data,
+    aten._softmax_backward_data,
+    aten.nll_loss_forward,
+    aten.nll_loss_backward,
+    aten.native_layer_norm,
+    aten.native_layer_norm_backward,
+    aten.native_batch_norm,
+    aten.native_batch_norm_backward,
+    aten._native_batch_norm_legit,
+    aten._native_batch_norm_legit_functional,
+    aten._native_batch_norm_legit_no_training,
+    aten.threshold_backward,
+    aten.gelu,
+    aten.gelu_backward,
+    aten.embedding_dense_backward,
+    aten.addmm,
+    aten.t,
+    aten.hardtanh,
+    aten.elu,
+    aten.leaky_relu,
+    aten.mean.dim,
+    aten.var_mean,
+    aten.var,
+    aten.std,
+    aten.split_with_sizes,
+    aten.unsqueeze,
+    aten.expand,
+    aten.repeat,
+    aten.maximum,
+    aten.trunc,
+    aten.linalg_vector_norm,
+    aten.native_dropout_backward,
+    aten._adaptive_avg_pool2d,
+    aten.slice_scatter,
+    aten.select_scatter,
+    aten.baddbmm,
+    aten.cumsum,
+]
+
+
+# Multi-tensor ops of the optimizers (Adam(foreach=True), SGD): torch has no decomposition for them,
+# and each one is just its single-tensor op applied to the i-th element of every list argument.
+_FOREACH_BASES = (
+    "add", "sub", "mul", "div", "addcmul", "addcdiv", "lerp", "sqrt", "rsqrt", "neg", "abs", "exp",
+    "log", "reciprocal", "sign", "maximum", "minimum", "clamp_min", "clamp_max", "pow", "zero", "copy",
+    "sigmoid", "tanh",
+)
+
+
+def _foreach_decomposition(base: OpOverloadPacket) -> Callable:
+    # Some foreach schemas take positionally what the single-tensor op takes by keyword
+    # (`_foreach_addcmul(self, t1, t2, value)` vs `addcmul(self, t1, t2, *, value)`).
+    schema = getattr(base, base.overloads()[0])._schema
+    positional = sum(1 for a in schema.arguments if not a.kwarg_only)
+    keyword_names = [a.name for a in schema.arguments if a.kwarg_only]
+
+    def decomposed(*args: object, **kwargs: object) -> list[torch.Tensor]:
+        length = next(len(a) for a in args if isinstance(a, (list, tuple)))
+        extra = dict(zip(keyword_names, args[positional:]))
+        args = args[:positional]
+
+        def pick(arg: object, i: int) -> object:
+            return arg[i] if isinstance(arg, (list, tuple)) else arg
+
+        return [
+            base(*(pick(a, i) for a in args), **{k: pick(v, i) for k, v in {**extra, **kwargs}.items()})
+            for i in range(length)
+        ]
+
+    return decomposed
+
+
+def _foreach_decompositions() -> dict[OpOverload, Callable]:
+    table: dict[OpOverload, Callable] = {}
+    for name in _FOREACH_BASES:
+        packet = getattr(aten, f"_foreach_{name}", None)
+        base = getattr(aten, name, None)
+        if packet is None or base is None:
+            continue
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            # Only the functional overloads: functionalization has already replaced the in-place
+            # and out= variants by these.
+            if op._schema.is_mutable or overload.endswith("out"):
+                continue
+            table[op] = _foreach_decomposition(base)
+    return table
+
+
+def _build() -> dict[OpOverload, Callable]:
+    table: dict[OpOverload, Callable] = dict(core_aten_decompositions())
+    table.update(get_decompositions(_EXTRA))
+    table.update(_foreach_decompositions())
+    return table
+
+
+DECOMPOSITIONS: dict[OpOverload, Callable] = _build()
