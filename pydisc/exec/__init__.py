@@ -1,0 +1,20 @@
+"""pydisc.exec: everything IREE. Compile StableHLO text for a torch device, cache it, and run it on
+torch tensors where they live (zero-copy through DLPack; results written into caller-allocated outputs).
+"""
+from __future__ import annotations
+
+from .compiler import clear_cache, compile_module
+from .errors import CompileError, ExecutionError, UnsupportedTensorError
+from .module import CompiledModule
+from .target import Target, target_for
+
+__all__ = [
+    "compile_module",
+    "clear_cache",
+    "CompiledModule",
+    "CompileError",
+    "ExecutionError",
+    "UnsupportedTensorError",
+    "Target",
+    "target_for",
+]

@@ -1,0 +1,129 @@
+"""StableHLO text -> IREE `.vmfb` -> CompiledModule, with an in-memory cache.
+
+Two levels: compiled bytes keyed by (sha256 of the text, target flags), so a second device of the same
+kind (cuda:1 after cuda:0) compiles nothing; and loaded modules keyed by (that key, device), so a repeated
+call returns the very same CompiledModule.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+
+import iree.compiler as ireec
+import torch
+
+from ..config import CONFIG
+from ..metrics import METRICS, METRICS_LOCK
+from .errors import CompileError
+from .module import CompiledModule
+from .session import session_for
+from .target import Target, target_for
+
+__all__ = ["compile_module", "clear_cache", "text_hash"]
+
+_MAX_DIAGNOSTIC_LINES = 40
+_MAX_DIAGNOSTIC_CHARS = 4000
+
+_LOCK = threading.Lock()
+_VMFB_CACHE: dict[tuple[str, tuple[str, ...]], bytes] = {}
+_MODULE_CACHE: dict[tuple[str, tuple[str, ...], torch.device], CompiledModule] = {}
+
+
+def text_hash(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def clear_cache() -> None:
+    """Forget every compiled module (tests; or to free memory held by loaded modules)."""
+    with _LOCK:
+        _VMFB_CACHE.clear()
+        _MODULE_CACHE.clear()
+
+
+def compile_module(text: str, device: torch.device | str) -> CompiledModule:
+    """Compile StableHLO MLIR text for `device` (or reuse the cached result) and load it there."""
+    target = target_for(device)
+    session = session_for(device)
+    digest = text_hash(text)
+    key = (digest, target.flags)
+    with _LOCK:
+        module = _MODULE_CACHE.get((*key, session.device))
+        if module is not None:
+            _count_hit()
+            return module
+        vmfb = _VMFB_CACHE.get(key)
+        if vmfb is None:
+            vmfb = _compile(text, digest, target)
+            _VMFB_CACHE[key] = vmfb
+        else:
+            _count_hit()
+        module = CompiledModule(vmfb, session, name=f"module_{digest[:16]}")
+        _MODULE_CACHE[(*key, session.device)] = module
+        return module
+
+
+def _count_hit() -> None:
+    with METRICS_LOCK:
+        METRICS.cache_hits += 1
+
+
+def _compile(text: str, digest: str, target: Target) -> bytes:
+    dump_path = _dump(text, digest)
+    start = time.perf_counter()
+    try:
+        vmfb = ireec.compile_str(text, input_type="stablehlo", extra_args=list(target.flags))
+    except Exception as e:  # CompilerToolError; anything else from the compiler is handled the same
+        with METRICS_LOCK:
+            METRICS.compile_failures[f"iree-compile ({target.name})"] += 1
+        raise _compile_error(e, digest, target, dump_path) from e
+    finally:
+        with METRICS_LOCK:
+            METRICS.compile_seconds += time.perf_counter() - start
+    with METRICS_LOCK:
+        METRICS.compiles += 1
+    return vmfb
+
+
+def _dump(text: str, digest: str) -> str | None:
+    if not CONFIG.dump_dir:
+        return None
+    os.makedirs(CONFIG.dump_dir, exist_ok=True)
+    path = os.path.join(CONFIG.dump_dir, f"{digest[:16]}.mlir")
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+def _diagnostics(error: Exception) -> str:
+    """The compiler's own diagnostics, without the tool's invocation boilerplate, trimmed."""
+    message = str(error)
+    if "Diagnostics:" in message:
+        message = message.split("Diagnostics:", 1)[1]
+        message = message.split("\nInvoked with:", 1)[0]
+    lines = message.strip().splitlines()
+    if len(lines) > _MAX_DIAGNOSTIC_LINES:
+        lines = lines[:_MAX_DIAGNOSTIC_LINES] + [f"... ({len(lines) - _MAX_DIAGNOSTIC_LINES} more lines)"]
+    text = "\n".join(lines)
+    if len(text) > _MAX_DIAGNOSTIC_CHARS:
+        text = text[:_MAX_DIAGNOSTIC_CHARS] + " ..."
+    return text
+
+
+def _compile_error(error: Exception, digest: str, target: Target, dump_path: str | None) -> CompileError:
+    diagnostics = _diagnostics(error)
+    if dump_path is not None:
+        with open(dump_path[: -len(".mlir")] + ".error.txt", "w") as f:
+            f.write(str(error))
+        where = f"The MLIR is in {dump_path}, the full compiler output next to it (.error.txt)."
+    else:
+        where = "Set PYDISC_DUMP_DIR=/some/dir to keep the MLIR and the full compiler output."
+    return CompileError(
+        f"IREE could not compile module_{digest[:16]} for {target.name} "
+        f"(flags: {' '.join(target.flags)}):\n{diagnostics}\n"
+        f"{where} The cluster can run eagerly instead; if the MLIR is valid StableHLO, the op that fails "
+        "is a lowering IREE does not support and belongs on the partitioner's unsupported list.",
+        diagnostics=diagnostics,
+        dump_path=dump_path,
+    )

@@ -1,0 +1,131 @@
+"""A compiled module bound to one device: VM context and function built once, called many times.
+
+`run` is the hot path of every step, so it does only what each call needs: import each tensor
+(zero-copy), one `invoke`, and a counter. Anything unusual (a non-dense tensor, an output that aliases
+an input, a module whose results must be staged) takes a slower branch without slowing the common one.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import iree.runtime as ireert
+import torch
+from torch.utils.dlpack import to_dlpack
+
+from ..metrics import METRICS
+from .errors import CompileError, ExecutionError
+from .session import DeviceSession, vm_instance
+from .tensors import StagedOutput, dense_copy, is_dense
+
+__all__ = ["CompiledModule"]
+
+_ENTRY = "main"
+
+
+class CompiledModule:
+    """A `.vmfb` loaded for one device. `run(inputs, outputs)` calls its `main` function."""
+
+    __slots__ = ("name", "device", "vmfb", "_session", "_context", "_function", "_import", "staged_outputs")
+
+    def __init__(self, vmfb: bytes, session: DeviceSession, name: str) -> None:
+        instance = vm_instance()
+        vm_module = ireert.VmModule.copy_buffer(instance, vmfb)
+        function = vm_module.lookup_function(_ENTRY)
+        if function is None:
+            raise CompileError(
+                f"module {name} has no public function @{_ENTRY} (it has {vm_module.function_names}); "
+                f"emit the cluster as `func.func @{_ENTRY}`"
+            )
+        self.name = name
+        self.device = session.device
+        self.vmfb = vmfb
+        self._session = session
+        self._context = ireert.VmContext(instance, modules=[session.hal_module, vm_module])
+        self._function = function
+        self._import = session.hal_device.from_dlpack_capsule
+        # Set on the first call that finds IREE cannot write an imported output in place (a result that
+        # is an input or a constant); from then on outputs go through IREE-allocated buffers.
+        self.staged_outputs = False
+
+    def __repr__(self) -> str:
+        return f"CompiledModule({self.name}, device={self.device}, staged_outputs={self.staged_outputs})"
+
+    def run(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+        """Run `main(*inputs, *outputs)`; IREE writes result N into outputs[N]. Inputs are never written."""
+        try:
+            if self._session.is_cuda:
+                # IREE runs on its own stream and cannot wait on torch's: finish torch's pending writes
+                # (inputs) and reads (the memory handed out as outputs) first.
+                torch.cuda.current_stream(self.device).synchronize()
+            self._invoke(inputs, outputs)
+        except RuntimeError as e:
+            if isinstance(e, ExecutionError):
+                raise
+            if not self.staged_outputs and "DISCARD_WRITE" in str(e):
+                self.staged_outputs = True
+                self._invoke(inputs, outputs)  # safe to repeat: inputs are read-only, outputs overwritten
+            else:
+                raise self._execution_error(e, inputs, outputs) from e
+        METRICS.executions += 1
+
+    def _invoke(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+        imp = self._import
+        args = ireert.VmVariantList(len(inputs) + len(outputs))
+        out_ptrs = {o.data_ptr() for o in outputs if o.numel()} if outputs else ()
+        for t in inputs:
+            if not is_dense(t) or (out_ptrs and t.numel() and t.untyped_storage().data_ptr() in out_ptrs):
+                t = dense_copy(t)  # IREE needs dense memory, and an input must not share an output's memory
+            args.push_ref(imp(to_dlpack(t)))
+        copy_back: list = []
+        if self.staged_outputs:
+            for o in outputs:
+                staged = StagedOutput(self._session, o)
+                args.push_ref(staged.view)
+                copy_back.append(staged)
+        else:
+            for o in outputs:
+                if not is_dense(o):
+                    dense = dense_copy(o)
+                    copy_back.append(_DenseOutput(o, dense))
+                    o = dense
+                args.push_ref(imp(to_dlpack(o)))
+        self._context.invoke(self._function, args, ireert.VmVariantList(len(outputs)))
+        for c in copy_back:
+            c.copy_back()
+
+    def _execution_error(
+        self, error: Exception, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]
+    ) -> ExecutionError:
+        wrong = [
+            f"{kind}[{i}] on {t.device}"
+            for kind, ts in (("inputs", inputs), ("outputs", outputs))
+            for i, t in enumerate(ts)
+            if t.device != self.device
+        ]
+        hint = (
+            f"tensors on the wrong device ({', '.join(wrong)}): move them to {self.device}"
+            if wrong
+            else "check that inputs and outputs match the function's signature (count, shapes, dtypes), "
+            "or run this cluster eagerly"
+        )
+        detail = str(error).strip().splitlines()
+        detail_text = "\n".join(detail[:12])
+        return ExecutionError(
+            f"IREE failed running @{_ENTRY} of {self.name} on {self.device} with {len(inputs)} inputs and "
+            f"{len(outputs)} outputs: {hint}.\nIREE said: {detail_text}",
+            function=f"{self.name}.{_ENTRY}",
+        )
+
+
+class _DenseOutput:
+    """A dense stand-in for a non-dense output tensor; copied into the real output after the call."""
+
+    __slots__ = ("target", "dense")
+
+    def __init__(self, target: torch.Tensor, dense: torch.Tensor) -> None:
+        self.target = target
+        self.dense = dense
+
+    def copy_back(self) -> None:
+        self.target.copy_(self.dense)
+
