@@ -57,21 +57,21 @@ class CompiledModule:
                 # IREE runs on its own stream and cannot wait on torch's: finish torch's pending writes
                 # (inputs) and reads (the memory handed out as outputs) first.
                 torch.cuda.current_stream(self.device).synchronize()
-            self._invoke(inputs, outputs)
-        except RuntimeError as e:
-            if isinstance(e, ExecutionError):
-                raise
-            if not self.staged_outputs and "DISCARD_WRITE" in str(e):
+            try:
+                self._invoke(inputs, outputs)
+            except Exception as e:
+                if self.staged_outputs or "DISCARD_WRITE" not in str(e):
+                    raise
                 self.staged_outputs = True
                 self._invoke(inputs, outputs)  # safe to repeat: inputs are read-only, outputs overwritten
-            else:
-                raise self._execution_error(e, inputs, outputs) from e
+        except Exception as e:  # IREE raises RuntimeError or ValueError; torch may raise too
+            raise self._execution_error(e, inputs, outputs) from e
         METRICS.executions += 1
 
     def _invoke(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
         imp = self._import
         args = ireert.VmVariantList(len(inputs) + len(outputs))
-        out_ptrs = {o.data_ptr() for o in outputs if o.numel()} if outputs else ()
+        out_ptrs = {o.untyped_storage().data_ptr() for o in outputs if o.numel()} if outputs else ()
         for t in inputs:
             if not is_dense(t) or (out_ptrs and t.numel() and t.untyped_storage().data_ptr() in out_ptrs):
                 t = dense_copy(t)  # IREE needs dense memory, and an input must not share an output's memory

@@ -1,0 +1,174 @@
+"""Running compiled modules on torch tensors: values, dtypes, zero-copy outputs, odd layouts, errors."""
+import pytest
+import torch
+
+from pydisc.exec import ExecutionError, compile_module
+
+MLIR_TYPES = {
+    torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
+    torch.int64: "i64", torch.int32: "i32", torch.int8: "i8", torch.uint8: "ui8", torch.bool: "i1",
+}
+
+
+def tensor_type(shape: tuple[int, ...], dtype: torch.dtype) -> str:
+    return f"tensor<{''.join(f'{d}x' for d in shape)}{MLIR_TYPES[dtype]}>"
+
+
+def binary(op: str, shape: tuple[int, ...], dtype: torch.dtype) -> str:
+    t = tensor_type(shape, dtype)
+    return f"""func.func @main(%a: {t}, %b: {t}, %o: {t} {{iree.abi.output = 0 : index}}) -> {t} {{
+  %r = stablehlo.{op} %a, %b : {t}
+  return %r : {t}
+}}"""
+
+
+def sample(shape, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return (torch.rand(shape, generator=g) > 0.5).to(device)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).to(dtype).to(device)
+    return torch.randint(-50 if dtype.is_signed else 0, 50, shape, generator=g).to(dtype).to(device)
+
+
+@pytest.mark.parametrize("dtype", list(MLIR_TYPES), ids=str)
+def test_dtype_round_trip(device, dtype, metrics):
+    op, expected_fn = ("xor", torch.logical_xor) if dtype == torch.bool else ("add", torch.add)
+    module = compile_module(binary(op, (3, 5), dtype), device)
+    a, b = sample((3, 5), dtype, device, 1), sample((3, 5), dtype, device, 2)
+    a0, b0 = a.clone(), b.clone()
+    out = torch.empty(3, 5, dtype=dtype, device=device)
+    ptr = out.data_ptr()
+    module.run([a, b], [out])
+    assert out.data_ptr() == ptr
+    assert torch.equal(out, expected_fn(a, b)), (out, expected_fn(a, b))
+    assert torch.equal(a, a0) and torch.equal(b, b0)  # inputs never written
+    assert metrics.executions == 1
+
+
+def test_bool_in_and_out(device):
+    """i1 results are stored one byte per element, 0 or 1, exactly as torch.bool."""
+    n = 1000
+    text = f"""func.func @main(%a: tensor<{n}xf32>, %m: tensor<{n}xi1>, %c: tensor<{n}xi1> {{iree.abi.output = 0 : index}}, %s: tensor<{n}xf32> {{iree.abi.output = 1 : index}}) -> (tensor<{n}xi1>, tensor<{n}xf32>) {{
+  %z = stablehlo.constant dense<0.0> : tensor<{n}xf32>
+  %gt = stablehlo.compare GT, %a, %z : (tensor<{n}xf32>, tensor<{n}xf32>) -> tensor<{n}xi1>
+  %sel = stablehlo.select %m, %a, %z : tensor<{n}xi1>, tensor<{n}xf32>
+  return %gt, %sel : tensor<{n}xi1>, tensor<{n}xf32>
+}}"""
+    a = torch.randn(n, device=device)
+    m = torch.rand(n, device=device) > 0.5
+    c = torch.full((n,), True, device=device)
+    s = torch.empty(n, device=device)
+    compile_module(text, device).run([a, m], [c, s])
+    assert torch.equal(c, a > 0)
+    assert c.view(torch.uint8).max().item() <= 1
+    assert torch.equal(s, torch.where(m, a, 0.0))
+
+
+def test_zero_d(device):
+    module = compile_module(binary("add", (), torch.float32), device)
+    out = torch.empty((), device=device)
+    module.run([torch.tensor(1.5, device=device), torch.tensor(2.25, device=device)], [out])
+    assert out.item() == 3.75
+
+
+def test_zero_size(device):
+    module = compile_module(binary("add", (0, 4), torch.float32), device)
+    out = torch.empty(0, 4, device=device)
+    module.run([torch.empty(0, 4, device=device), torch.empty(0, 4, device=device)], [out])
+    assert out.shape == (0, 4)
+
+
+MATMUL = """func.func @main(%a: tensor<4x3xf32>, %b: tensor<3x5xf32>, %o: tensor<4x5xf32> {iree.abi.output = 0 : index}) -> tensor<4x5xf32> {
+  %r = stablehlo.dot_general %a, %b, contracting_dims = [1] x [0] : (tensor<4x3xf32>, tensor<3x5xf32>) -> tensor<4x5xf32>
+  return %r : tensor<4x5xf32>
+}"""
+
+
+def test_non_dense_inputs_are_copied(device):
+    module = compile_module(MATMUL, device)
+    base = torch.randn(64, device=device)
+    transposed = torch.randn(3, 4, device=device).t()           # non-contiguous
+    offset = base[3:18].view(3, 5)                              # contiguous, storage offset 3
+    out = torch.empty(4, 5, device=device)
+    before = (transposed.clone(), base.clone())
+    module.run([transposed, offset], [out])
+    torch.testing.assert_close(out, transposed @ offset)
+    assert torch.equal(transposed, before[0]) and torch.equal(base, before[1])
+
+
+def test_misaligned_input_is_copied():
+    raw = bytearray(4 * 64 + 4)
+    a = torch.frombuffer(memoryview(raw)[4:4 + 48], dtype=torch.float32).view(4, 3)  # offset 0, misaligned
+    assert a.storage_offset() == 0 and a.data_ptr() % 64 != 0
+    a.copy_(torch.randn(4, 3))
+    b = torch.randn(3, 5)
+    out = torch.empty(4, 5)
+    compile_module(MATMUL, "cpu").run([a, b], [out])
+    torch.testing.assert_close(out, a @ b)
+
+
+def test_non_dense_output_is_filled(device):
+    module = compile_module(binary("add", (3, 5), torch.float32), device)
+    a, b = torch.randn(3, 5, device=device), torch.randn(3, 5, device=device)
+    holder = torch.zeros(5, 3, device=device)
+    out = holder.t()  # non-contiguous view
+    module.run([a, b], [out])
+    torch.testing.assert_close(holder.t(), a + b)
+
+
+def test_output_aliasing_input_leaves_input_semantics(device):
+    """An in-place style call (output is an input's memory) reads the input's old value."""
+    module = compile_module(MATMUL.replace("4x3", "4x4").replace("3x5", "4x4").replace("4x5", "4x4"), device)
+    a, b = torch.randn(4, 4, device=device), torch.randn(4, 4, device=device)
+    expected = a @ b
+    module.run([a, b], [a])
+    torch.testing.assert_close(a, expected)
+
+
+def test_identity_and_constant_results(device):
+    """Results that are inputs or constants make IREE copy/fill into outputs; those are staged."""
+    text = """func.func @main(%a: tensor<4xf32>, %o: tensor<4xf32> {iree.abi.output = 0 : index}, %p: tensor<4xf32> {iree.abi.output = 1 : index}) -> (tensor<4xf32>, tensor<4xf32>) {
+  %c = stablehlo.constant dense<7.0> : tensor<4xf32>
+  return %a, %c : tensor<4xf32>, tensor<4xf32>
+}"""
+    module = compile_module(text, device)
+    for _ in range(2):
+        a = torch.randn(4, device=device)
+        o, p = torch.zeros(4, device=device), torch.zeros(4, device=device)
+        module.run([a], [o, p])
+        assert torch.equal(o, a) and torch.equal(p, torch.full((4,), 7.0, device=device))
+    assert module.staged_outputs
+
+
+def test_zero_copy_output_is_written_in_place(device):
+    module = compile_module(binary("multiply", (256,), torch.float32), device)
+    a, b = torch.randn(256, device=device), torch.randn(256, device=device)
+    out = torch.empty(256, device=device)
+    view_of_out = out.view(16, 16)  # shares memory: sees IREE's writes only if no copy happened
+    module.run([a, b], [out])
+    assert torch.equal(view_of_out.reshape(-1), a * b)
+    assert not module.staged_outputs
+
+
+def test_wrong_shape_raises_execution_error(device):
+    module = compile_module(binary("add", (3, 5), torch.float32), device)
+    with pytest.raises(ExecutionError, match="main") as info:
+        module.run([torch.randn(2, 5, device=device), torch.randn(2, 5, device=device)],
+                   [torch.empty(2, 5, device=device)])
+    assert "signature" in str(info.value)
+
+
+def test_wrong_arity_raises_execution_error(device):
+    module = compile_module(binary("add", (3, 5), torch.float32), device)
+    with pytest.raises(ExecutionError):
+        module.run([torch.randn(3, 5, device=device)], [torch.empty(3, 5, device=device)])
+
+
+def test_many_calls_reuse_context(device, metrics):
+    module = compile_module(binary("add", (8,), torch.float32), device)
+    a, b, out = torch.ones(8, device=device), torch.ones(8, device=device), torch.empty(8, device=device)
+    for i in range(50):
+        module.run([a, b * i], [out])
+        assert out[0].item() == 1 + i
+    assert metrics.executions == 50

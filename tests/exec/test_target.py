@@ -1,0 +1,32 @@
+import pytest
+import torch
+
+from pydisc.exec import target_for
+from pydisc.exec.target import CPU_DRIVER
+
+
+def test_cpu_target():
+    t = target_for(torch.device("cpu"))
+    assert t.name == "llvm-cpu"
+    assert t.driver == CPU_DRIVER == "local-sync"
+    assert "--iree-hal-local-target-device-backends=llvm-cpu" in t.flags
+    assert "--iree-llvmcpu-target-cpu=host" in t.flags
+
+
+def test_cuda_target_needs_no_gpu():
+    t = target_for(torch.device("cuda", 1))
+    assert t.name == "cuda" and t.driver == "cuda"
+    assert "--iree-cuda-target=sm_80" in t.flags
+    assert t == target_for("cuda:0")  # one target for every GPU ordinal: the compiled bytes are shared
+
+
+def test_target_is_frozen_and_hashable():
+    t = target_for("cpu")
+    with pytest.raises(AttributeError):
+        t.name = "x"  # type: ignore[misc]
+    assert hash(t) == hash(target_for("cpu"))
+
+
+def test_unsupported_device():
+    with pytest.raises(ValueError, match="eager"):
+        target_for(torch.device("meta"))
