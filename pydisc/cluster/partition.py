@@ -1,0 +1,86 @@
+"""Capability-based partitioning with a small cost policy.
+
+`propose` and `fuse` stay apart, as in torch.fx's partitioner which does the cycle-free greedy merging:
+a node is a candidate when the lowering registry can emit it (a pure predicate from the frontend) and
+its tensors live on the step's device; the cost policy then drops clusters that would not pay for an
+executable call (nothing but reshapes and getitems).
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.operator_support import OperatorSupportBase
+
+__all__ = ["Partition", "partition_graph"]
+
+aten = torch.ops.aten
+# Ops that move no data: a cluster made only of these is not worth an executable call.
+_FREE_OPS = {operator.getitem, aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+             aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default,
+             aten.alias.default, aten.detach.default, aten.expand.default, aten.permute.default,
+             aten.t.default, aten.transpose.int, aten.select.int, aten.slice.Tensor}
+
+
+@dataclass
+class Partition:
+    graph_module: torch.fx.GraphModule           # the step graph with clusters as call_module nodes
+    clusters: list[str]                          # names of the cluster submodules
+    eager_ops: list[str] = field(default_factory=list)   # ATen op names left to eager, one per node
+    reasons: dict[str, str] = field(default_factory=dict)  # op name -> why it was not compiled
+
+
+class _Support(OperatorSupportBase):
+    def __init__(self, device: torch.device, reason_of: Callable[[torch.fx.Node], str | None],
+                 reasons: dict[str, str]) -> None:
+        self.device = device
+        self.reason_of = reason_of
+        self.reasons = reasons
+
+    def is_node_supported(self, submodules, node: torch.fx.Node) -> bool:
+        if node.op != "call_function":
+            return False
+        reason = self.reason_of(node)
+        if reason is None:
+            reason = _device_reason(node, self.device)
+        if reason is not None:
+            self.reasons.setdefault(_op_name(node), reason)
+            return False
+        return True
+
+
+def _device_reason(node: torch.fx.Node, device: torch.device) -> str | None:
+    for n in [node, *node.all_input_nodes]:
+        val = n.meta.get("val")
+        vals = val if isinstance(val, (tuple, list)) else (val,)
+        for v in vals:
+            if isinstance(v, torch.Tensor) and v.device.type != device.type and v.dim() > 0:
+                return "tensor on %s in a %s step" % (v.device, device)
+    return None
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    return str(getattr(node.target, "__name__", node.target)) if node.target is operator.getitem \
+        else str(node.target)
+
+
+def partition_graph(gm: torch.fx.GraphModule, device: torch.device,
+                    reason_of: Callable[[torch.fx.Node], str | None],
+                    min_ops: int = 1) -> Partition:
+    reasons: dict[str, str] = {}
+    partitioner = CapabilityBasedPartitioner(gm, _Support(device, reason_of, reasons),
+                                             allows_single_node_partition=True)
+    proposed = partitioner.propose_partitions()
+    kept = []
+    for p in proposed:
+        compute = [n for n in p.nodes if n.target not in _FREE_OPS]
+        if len(compute) >= max(min_ops, 1):
+            kept.append(p)
+    fused = partitioner.fuse_partitions(kept)
+    clusters = [n.target for n in fused.graph.nodes if n.op == "call_module"]
+    eager = [str(n.target) for n in fused.graph.nodes
+             if n.op == "call_function" and n.target is not operator.getitem]
+    return Partition(fused, clusters, eager, reasons)

@@ -1,0 +1,509 @@
+"""The lazy tensor: a torch tensor subclass whose ATen ops are recorded, not run.
+
+`LazyTensor.__torch_dispatch__` hands every op to `Recorder.dispatch`, one ordered decision ladder:
+
+1. ops that need data (`.item()`, `bool()`, a copy to another device, a write into an eager tensor) run
+   eagerly on materialized inputs;
+2. `_foreach_*` ops are split per tensor and Python scalars that vary between steps (learning rates,
+   bias corrections) become lifted scalar inputs (`frontend/rewrites.py`), so one compiled step serves
+   every value;
+3. views of materialized tensors are taken at once on the device data;
+4. everything else is recorded, with output metadata from torch's meta kernels (cached per op and input
+   layout), and falls back to eager when no meta kernel can say what the output looks like.
+
+Running the pending trace is the job of a higher layer, which installs itself with `set_executor`.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from .. import metrics as _metrics
+from .trace import Entry, LazyStorage, Trace, ValueRef
+
+__all__ = ["LazyTensor", "is_lazy", "to_lazy", "materialize", "current_trace", "set_executor", "Recorder",
+           "LiftedScalar", "RECORDER"]
+
+aten = torch.ops.aten
+METRICS = _metrics.METRICS
+
+
+class LiftedScalar:
+    """A Python number that becomes a scalar input of the step instead of a compile-time constant."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+
+def _flat_base(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D tensor over the whole storage of `t` (offset 0), the form in which storages are kept."""
+    if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t.detach().reshape(-1)
+    n = t.untyped_storage().nbytes() // t.element_size()
+    return t.detach().as_strided((n,), (1,), 0)
+
+
+def _view_of_base(base: torch.Tensor, size, stride, offset) -> torch.Tensor:
+    if offset == 0 and base.numel() == _numel(size) and tuple(stride) == _contiguous_strides(size):
+        return base.view(size)
+    return base.as_strided(size, stride, offset)
+
+
+def _numel(size) -> int:
+    n = 1
+    for s in size:
+        n *= s
+    return n
+
+
+def _contiguous_strides(size) -> tuple[int, ...]:
+    strides = []
+    acc = 1
+    for s in reversed(size):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(strides))
+
+
+class LazyTensor(torch.Tensor):
+    """A tensor whose value is either device data (`_real`) or a value of the pending trace."""
+
+    _storage: LazyStorage
+    _real: torch.Tensor | None
+    _vid: int
+    _epoch: int
+
+    @staticmethod
+    def __new__(cls, size, stride, offset, dtype, device, storage: LazyStorage, real=None, requires_grad=False):
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, size, strides=stride, storage_offset=offset, dtype=dtype, device=device,
+            requires_grad=requires_grad)
+        t._storage = storage
+        t._real = real
+        t._vid = -1
+        t._epoch = -1
+        return t
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return RECORDER.dispatch(func, args, kwargs or {})
+
+    # Reading a value runs what it needs. These bypass the dispatcher, so they are overridden here.
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return repr(materialize(self, reason="repr"))
+
+    def __format__(self, spec: str) -> str:
+        return format(materialize(self, reason="format"), spec)
+
+    def tolist(self):
+        return materialize(self, reason="tolist").tolist()
+
+    def numpy(self, *, force: bool = False):
+        return materialize(self, reason="numpy").detach().cpu().numpy(force=force)
+
+    def cpu(self, memory_format=torch.preserve_format):
+        return materialize(self, reason="cpu").cpu(memory_format=memory_format).clone() \
+            if self.device.type == "cpu" else materialize(self, reason="cpu").cpu(memory_format=memory_format)
+
+    def __array__(self, dtype=None):
+        arr = self.numpy()
+        return arr if dtype is None else arr.astype(dtype)
+
+    def __reduce_ex__(self, proto):
+        # torch.save / pickle / deepcopy store the device data as a plain tensor.
+        real = materialize(self, reason="pickle").detach()
+        if isinstance(self, torch.nn.Parameter):
+            return (torch.nn.Parameter, (real.clone(), self.requires_grad))
+        return real.clone().__reduce_ex__(proto)
+
+    def __deepcopy__(self, memo):
+        real = materialize(self, reason="deepcopy").detach().clone()
+        out = to_lazy(real)
+        if isinstance(self, torch.nn.Parameter):
+            out = torch.nn.Parameter(out, requires_grad=self.requires_grad)
+        memo[id(self)] = out
+        return out
+
+
+def is_lazy(t: Any) -> bool:
+    """True if `t` is a pydisc lazy tensor."""
+    return isinstance(t, LazyTensor)
+
+
+def to_lazy(real: torch.Tensor) -> LazyTensor:
+    """Wrap device data as a (materialized) lazy tensor, without a copy."""
+    if isinstance(real, LazyTensor):
+        return real
+    storage = LazyStorage(real.untyped_storage().nbytes(), _flat_base(real))
+    return LazyTensor(tuple(real.shape), real.stride(), real.storage_offset(), real.dtype, real.device,
+                      storage, real=real.detach())
+
+
+# --------------------------------------------------------------------------------------------------
+# Schema facts per op, computed once.
+
+class OpInfo:
+    __slots__ = ("returns", "written_args", "needs_eager", "is_view")
+
+    def __init__(self, func) -> None:
+        schema = func._schema
+        sets: dict[str, tuple[int, str]] = {}
+        written = []
+        for i, a in enumerate(schema.arguments):
+            if a.alias_info is not None:
+                for s in a.alias_info.before_set:
+                    sets[s] = (i, a.name)
+                if a.alias_info.is_write:
+                    written.append((i, a.name))
+        returns = []
+        for r in schema.returns:
+            ai = r.alias_info
+            if ai is None or not ai.before_set:
+                returns.append(None)
+            else:
+                i, name = sets[next(iter(ai.before_set))]
+                returns.append(("write" if ai.is_write else "view", i, name))
+        self.returns = returns
+        self.written_args = tuple(written)
+        self.is_view = any(r is not None and r[0] == "view" for r in returns)
+        self.needs_eager = func in _EAGER_OPS or (not schema.returns and not written) \
+            or any(str(r.type) not in _TENSOR_RETURN_TYPES for r in schema.returns)
+
+
+_TENSOR_RETURN_TYPES = {"Tensor", "List[Tensor]", "Tensor[]", "Optional[Tensor]", "Tensor?"}
+# Ops that read data on the host, move data between devices, or change a tensor's metadata in place.
+_EAGER_OPS = {
+    aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default, aten.allclose.default,
+    aten.nonzero.default, aten._unique2.default, aten.masked_select.default,
+    aten.view.dtype, aten.set_.source_Storage_storage_offset, aten.set_.source_Tensor,
+    aten.resize_.default, aten.t_.default, aten.transpose_.default, aten.squeeze_.default,
+    aten.unsqueeze_.default, aten.as_strided_.default, aten._has_compatible_shallow_copy_type.default,
+}
+_OPINFO: dict[Any, OpInfo] = {}
+
+
+def _opinfo(func) -> OpInfo:
+    info = _OPINFO.get(func)
+    if info is None:
+        info = _OPINFO[func] = OpInfo(func)
+    return info
+
+
+def _arg(args, kwargs, index: int, name: str):
+    return args[index] if index < len(args) else kwargs.get(name)
+
+
+# --------------------------------------------------------------------------------------------------
+
+class Recorder:
+    """Owns the pending trace and records ops into it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.epoch = 0
+        self.trace = Trace(epoch=0)
+        self.meta_cache: dict[Any, Any] = {}
+        self.executor: Callable[[LazyTensor | None, str], None] | None = None
+        self.owner_thread: int | None = None
+        self.rewrites: dict[Any, Callable] = {}
+
+    def new_trace(self) -> Trace:
+        self.epoch += 1
+        self.trace = Trace(epoch=self.epoch)
+        return self.trace
+
+    # ---- value references ------------------------------------------------------------------------
+    def ref(self, t: LazyTensor) -> ValueRef:
+        trace = self.trace
+        if t._epoch == trace.epoch:
+            return ValueRef(t._vid)
+        if t._real is None:
+            raise RuntimeError(
+                "pydisc: this lazy tensor has no data: the step that computes it was abandoned after an "
+                "error. Recompute it (run the forward pass again) before using it.")
+        storage = t._storage
+        if storage.epoch != trace.epoch:
+            storage.epoch = trace.epoch
+            storage.creator = None
+            storage.written = False
+            storage.input_index = -1
+        if storage.input_index < 0:
+            storage.input_index = len(trace.storage_inputs)
+            trace.storage_inputs.append(storage.real)
+            trace.input_storages.append(storage)
+        layout = (tuple(t.shape), t.stride(), t.storage_offset())
+        vid = trace.new_value(("in", storage.input_index, layout), storage, layout + (t.dtype,))
+        t._vid = vid
+        t._epoch = trace.epoch
+        trace.tensors[vid] = weakref.ref(t)
+        return ValueRef(vid)
+
+    def is_clean(self, t: LazyTensor) -> bool:
+        if t._real is None:
+            return False
+        s = t._storage
+        return not (s.epoch == self.trace.epoch and s.written)
+
+    # ---- the ladder ------------------------------------------------------------------------------
+    def dispatch(self, func, args, kwargs):
+        with self.lock:
+            me = threading.get_ident()
+            if self.owner_thread is None or not len(self.trace):
+                self.owner_thread = me
+            elif self.owner_thread != me:
+                raise RuntimeError(
+                    "pydisc: lazy tensors were used from two threads within one step. Record each step "
+                    "from one thread, or call pydisc.mark_step() before handing tensors to another thread.")
+            rewrite = self.rewrites.get(func)
+            if rewrite is not None:
+                result = rewrite(func, args, kwargs)
+                if result is not NotImplemented:
+                    return result
+            info = _opinfo(func)
+            if info.needs_eager:
+                return self.run_eager(func, args, kwargs, info, fallback=func not in _READ_OPS)
+            if self.writes_eager_tensor(args, kwargs, info):
+                return self.run_eager(func, args, kwargs, info, fallback=False)
+            if info.is_view and not info.written_args and self.all_clean(args):
+                return self.run_eager(func, args, kwargs, info, fallback=False, count=False)
+            return self.record(func, args, kwargs, info)
+
+    def all_clean(self, args) -> bool:
+        for a in args:
+            if isinstance(a, LazyTensor) and not self.is_clean(a):
+                return False
+        return True
+
+    def writes_eager_tensor(self, args, kwargs, info: OpInfo) -> bool:
+        for i, name in info.written_args:
+            a = _arg(args, kwargs, i, name)
+            items = a if isinstance(a, (list, tuple)) else (a,)
+            for x in items:
+                if isinstance(x, torch.Tensor) and not isinstance(x, LazyTensor):
+                    return True
+        return False
+
+    # ---- eager execution -------------------------------------------------------------------------
+    def run_eager(self, func, args, kwargs, info: OpInfo, *, fallback: bool, count: bool = True):
+        def unwrap(a):
+            if isinstance(a, LazyTensor):
+                return materialize(a, reason=str(func))
+            if isinstance(a, (list, tuple)):
+                return type(a)(unwrap(x) for x in a)
+            return a
+
+        if count:
+            if fallback:
+                METRICS.fallback_ops[str(func)] += 1
+        real_args = tuple(unwrap(a) for a in args)
+        real_kwargs = {k: unwrap(v) for k, v in kwargs.items()}
+        out = func(*real_args, **real_kwargs)
+        return self.wrap_eager_outputs(out, args, kwargs, info)
+
+    def wrap_eager_outputs(self, out, args, kwargs, info: OpInfo):
+        def wrap(o, plan):
+            if not isinstance(o, torch.Tensor) or isinstance(o, LazyTensor):
+                return o
+            if plan is not None:
+                src = _arg(args, kwargs, plan[1], plan[2])
+                if plan[0] == "write" and isinstance(src, LazyTensor):
+                    return src
+                if isinstance(src, LazyTensor) and o.untyped_storage().data_ptr() == \
+                        src._storage.real.untyped_storage().data_ptr():
+                    return LazyTensor(tuple(o.shape), o.stride(), o.storage_offset(), o.dtype, o.device,
+                                      src._storage, real=o)
+                if not isinstance(src, LazyTensor) and not isinstance(src, (list, tuple)):
+                    return o
+            return to_lazy(o)
+
+        plans = info.returns
+        if isinstance(out, (tuple, list)) and len(plans) == len(out) and len(plans) > 1:
+            return type(out)(wrap(o, p) for o, p in zip(out, plans))
+        if isinstance(out, (tuple, list)):
+            plan = plans[0] if plans else None
+            return type(out)(wrap(o, plan) for o in out)
+        return wrap(out, plans[0] if plans else None)
+
+    # ---- recording -------------------------------------------------------------------------------
+    def encode(self, a, sig: list, reads: list):
+        if isinstance(a, LazyTensor):
+            r = self.ref(a)
+            sig.append(("v", r.vid))
+            reads.append(a._storage)
+            return r
+        if isinstance(a, torch.Tensor):
+            r = self.trace.add_real_input(a)
+            sig.append(("r", r.index))
+            return r
+        if isinstance(a, LiftedScalar):
+            sig.append("scalar")
+            return self.trace.add_scalar(a.value)
+        if isinstance(a, (list, tuple)):
+            sig.append(("list", len(a)))
+            return [self.encode(x, sig, reads) for x in a]
+        if isinstance(a, float):
+            # keyed by value: a float that varies from step to step should be lifted by a rewrite
+            sig.append(("f", a))
+        else:
+            sig.append(a)
+        return a
+
+    def meta_key(self, func, args, kwargs):
+        parts = [func]
+
+        def add(a):
+            if isinstance(a, torch.Tensor):
+                if isinstance(a, LazyTensor):
+                    parts.append((tuple(a.shape), a.stride(), a.storage_offset(), a.dtype,
+                                  a._storage.nbytes))
+                else:
+                    parts.append(("r", tuple(a.shape), a.stride(), a.storage_offset(), a.dtype, a.device.type))
+            elif isinstance(a, (list, tuple)):
+                parts.append(len(a))
+                for x in a:
+                    add(x)
+            elif isinstance(a, (float, LiftedScalar)):
+                parts.append(float)
+            else:
+                parts.append(a)
+
+        for a in args:
+            add(a)
+        for k, v in kwargs.items():
+            parts.append(k)
+            add(v)
+        return tuple(parts)
+
+    def compute_meta(self, func, args, kwargs):
+        def to_meta(a):
+            if isinstance(a, torch.Tensor):
+                if isinstance(a, LazyTensor):
+                    base = torch.empty((a._storage.nbytes // a.element_size(),), dtype=a.dtype, device="meta")
+                    return base.as_strided(tuple(a.shape), a.stride(), a.storage_offset())
+                return torch.empty_strided(tuple(a.shape), a.stride(), dtype=a.dtype, device="meta")
+            if isinstance(a, LiftedScalar):
+                return a.value
+            if isinstance(a, (list, tuple)):
+                return type(a)(to_meta(x) for x in a)
+            if isinstance(a, torch.device):
+                return torch.device("meta")
+            return a
+
+        margs = tuple(to_meta(a) for a in args)
+        mkwargs = {k: to_meta(v) for k, v in kwargs.items()}
+        out = func(*margs, **mkwargs)
+        leaves = out if isinstance(out, (tuple, list)) else (out,)
+        descs = []
+        for o in leaves:
+            if not isinstance(o, torch.Tensor):
+                raise NotImplementedError("non-tensor output")
+            descs.append((tuple(o.shape), o.stride(), o.storage_offset(), o.dtype,
+                          o.untyped_storage().nbytes()))
+        kind = type(out) if isinstance(out, (tuple, list)) else None
+        return kind, descs
+
+    def record(self, func, args, kwargs, info: OpInfo):
+        key = self.meta_key(func, args, kwargs)
+        meta = self.meta_cache.get(key)
+        if meta is None:
+            try:
+                meta = self.compute_meta(func, args, kwargs)
+            except Exception:
+                # no meta kernel, or an output whose shape depends on data: run it eagerly
+                return self.run_eager(func, args, kwargs, info, fallback=True)
+            self.meta_cache[key] = meta
+        kind, descs = meta
+        device = _device_of(args, kwargs)
+        trace = self.trace
+        sig: list = [func]
+        reads: list = []
+        enc_args = [self.encode(a, sig, reads) for a in args]
+        enc_kwargs = {}
+        for k, v in kwargs.items():
+            sig.append(k)
+            enc_kwargs[k] = self.encode(v, sig, reads)
+        writes = []
+        for i, name in info.written_args:
+            a = _arg(args, kwargs, i, name)
+            for x in (a if isinstance(a, (list, tuple)) else (a,)):
+                if isinstance(x, LazyTensor):
+                    x._storage.written = True
+                    writes.append(x._storage)
+        entry_index = len(trace.entries)
+        outs = []
+        out_vids = []
+        plans = info.returns
+        for j, d in enumerate(descs):
+            plan = plans[j] if j < len(plans) else (plans[0] if plans else None)
+            size, stride, offset, dtype, nbytes = d
+            if plan is not None and plan[0] == "write":
+                src = _arg(args, kwargs, plan[1], plan[2])
+                outs.append(src)
+                out_vids.append(src._vid)
+                continue
+            if plan is not None:
+                src = _arg(args, kwargs, plan[1], plan[2])
+                storage = src._storage
+            else:
+                storage = LazyStorage(nbytes)
+                storage.epoch = trace.epoch
+            t = LazyTensor(size, stride, offset, dtype, device, storage)
+            vid = trace.new_value(("out", entry_index), storage, d[:4])
+            if plan is None:
+                storage.creator = vid
+            t._vid = vid
+            t._epoch = trace.epoch
+            trace.tensors[vid] = weakref.ref(t)
+            outs.append(t)
+            out_vids.append(vid)
+        trace.entries.append(Entry(func, enc_args, enc_kwargs, tuple(out_vids), kind,
+                                   tuple(reads), tuple(writes), tuple(sig)))
+        METRICS.recorded_ops += 1
+        if kind is None:
+            return outs[0]
+        return kind(outs)
+
+
+def _device_of(args, kwargs) -> torch.device:
+    for a in args:
+        if isinstance(a, LazyTensor):
+            return a.device
+        if isinstance(a, (list, tuple)):
+            for x in a:
+                if isinstance(x, LazyTensor):
+                    return x.device
+    for a in kwargs.values():
+        if isinstance(a, LazyTensor):
+            return a.device
+    raise RuntimeError("pydisc: an op reached the lazy dispatcher without a lazy tensor argument")
+
+
+_READ_OPS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default,
+             aten.allclose.default}
+
+RECORDER = Recorder()
+
+
+def current_trace() -> Trace:
+    return RECORDER.trace
+
+
+def set_executor(fn: Callable[[LazyTensor | None, str], None]) -> None:
+    """Install the function that runs the pending trace: fn(None, reason) runs all of it,
+    fn(t, reason) at least what `t` needs."""
+    RECORDER.executor = fn
+
+
+def materialize(t: LazyTensor, *, reason: str = "read") -> torch.Tensor:
+    """Device data of `t`, running the pending ops it needs first."""
+    if not RECORDER.is_clean(t):
+        if RECORDER.executor is None:
+            raise RuntimeError("pydisc: no executor installed (import pydisc)")
+        METRICS.materializations += 1
+        RECORDER.executor(t, reason)
+    return t._real

@@ -1,0 +1,125 @@
+"""Record-time rewrites that keep one compiled step valid across steps.
+
+- Python floats in arithmetic ops (learning rates, Adam's bias corrections, momentum factors) would be
+  baked into the compiled code as constants, so a learning-rate schedule would recompile every step.
+  They are lifted: recorded as scalar inputs of the step (0-d float32 tensors at run time), the way
+  PyTorch/XLA uploads scalars as device data.
+- `_foreach_*` ops are split into one op per tensor: the lowering rules then need no foreach variants,
+  and per-tensor scalars of `ScalarList` overloads are lifted like any other.
+- `native_batch_norm` writes its running statistics without saying so in its schema; it is recorded as
+  `_native_batch_norm_legit`, whose schema declares the writes, so functionalization sees them.
+"""
+from __future__ import annotations
+
+import torch
+
+from .lazy_tensor import RECORDER, LazyTensor, LiftedScalar, _opinfo
+
+__all__ = ["install_rewrites"]
+
+aten = torch.ops.aten
+_LIFTABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _liftable(t, value) -> bool:
+    return isinstance(t, LazyTensor) and t.dtype in _LIFTABLE_DTYPES and type(value) is float
+
+
+def _record(func, *args, **kwargs):
+    return RECORDER.record(func, args, kwargs, _opinfo(func))
+
+
+def _binary_scalar(tensor_op):
+    """`op(x, 0.9)` / `op.Scalar(x, 0.9)` -> `op.Tensor(x, lifted)`."""
+    def rewrite(func, args, kwargs):
+        if len(args) != 2 or kwargs.get("alpha", 1) != 1 or not _liftable(args[0], args[1]):
+            return NotImplemented
+        return _record(tensor_op, args[0], LiftedScalar(args[1]))
+    return rewrite
+
+
+def _alpha(tensor_op):
+    """`add(a, b, alpha=s)` -> `add(a, mul(b, lifted))`."""
+    def rewrite(func, args, kwargs):
+        alpha = kwargs.get("alpha", 1)
+        if len(args) != 2 or alpha == 1 or not isinstance(args[1], LazyTensor) or not _liftable(args[0], alpha):
+            return NotImplemented
+        scaled = _record(aten.mul.Tensor, args[1], LiftedScalar(alpha))
+        return _record(tensor_op, args[0], scaled)
+    return rewrite
+
+
+def _lerp(tensor_op):
+    def rewrite(func, args, kwargs):
+        if len(args) != 3 or not isinstance(args[1], LazyTensor) or not _liftable(args[0], args[2]):
+            return NotImplemented
+        return _record(tensor_op, args[0], args[1], LiftedScalar(args[2]))
+    return rewrite
+
+
+def _addc(combine, add_op):
+    """`addcmul(s, a, b, value=v)` -> `add(s, mul(combine(a, b), lifted v))`, evaluated in eager's order."""
+    def rewrite(func, args, kwargs):
+        value = kwargs.get("value", args[3] if len(args) > 3 else 1)
+        s, a, b = args[:3]
+        if not (isinstance(a, LazyTensor) and isinstance(b, LazyTensor)) or not _liftable(s, value) \
+                or a.shape != b.shape:
+            return NotImplemented
+        if combine is aten.mul.Tensor:      # s + (v * a) * b
+            term = _record(aten.mul.Tensor, _record(aten.mul.Tensor, a, LiftedScalar(value)), b)
+        else:                               # s + v * (a / b)
+            term = _record(aten.mul.Tensor, _record(combine, a, b), LiftedScalar(value))
+        return _record(add_op, s, term)
+    return rewrite
+
+
+def _foreach(func, args, kwargs):
+    """`_foreach_op(list, ...)` -> one `op` per element (per-element scalars of ScalarList overloads)."""
+    name = func._schema.name.split("::")[1][len("_foreach_"):]
+    packet = getattr(aten, name, None)
+    if packet is None:
+        return NotImplemented
+    lists = [i for i, a in enumerate(args) if isinstance(a, (list, tuple))]
+    n = len(args[lists[0]])
+    results = []
+    for k in range(n):
+        elem_args = [a[k] if i in lists else a for i, a in enumerate(args)]
+        results.append(packet(*elem_args, **kwargs))
+    if not func._schema.returns:
+        return None
+    return results
+
+
+def _batch_norm(func, args, kwargs):
+    names = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps")
+    values = dict(zip(names, args))
+    values.update(kwargs)
+    if not values["training"] or values["running_mean"] is None:
+        return NotImplemented
+    return aten._native_batch_norm_legit.default(*(values[n] for n in names))
+
+
+def install_rewrites() -> None:
+    r = RECORDER.rewrites
+    for base in ("mul", "div"):
+        for inplace in ("", "_"):
+            packet = getattr(aten, base + inplace)
+            rw = _binary_scalar(packet.Tensor)
+            r[packet.Tensor] = rw
+            r[packet.Scalar] = rw
+    for base in ("add", "sub"):
+        for inplace in ("", "_"):
+            packet = getattr(aten, base + inplace)
+            r[packet.Tensor] = _alpha(packet.Tensor)
+    for inplace in ("", "_"):
+        lerp = getattr(aten, "lerp" + inplace)
+        r[lerp.Scalar] = _lerp(lerp.Tensor)
+        add = getattr(aten, "add" + inplace).Tensor
+        r[getattr(aten, "addcmul" + inplace).default] = _addc(aten.mul.Tensor, add)
+        r[getattr(aten, "addcdiv" + inplace).default] = _addc(aten.div.Tensor, add)
+    for op_name in dir(aten):
+        if op_name.startswith("_foreach_"):
+            packet = getattr(aten, op_name)
+            for overload in packet.overloads():
+                r[getattr(packet, overload)] = _foreach
+    r[aten.native_batch_norm.default] = _batch_norm

@@ -1,0 +1,133 @@
+"""The pending trace: ATen ops recorded in program order between two `mark_step` calls.
+
+A trace is a straight-line program over *values*. A value is either an input (a lazy tensor whose data
+was already on the device when the trace first saw it, a real eager tensor, or a lifted Python scalar)
+or a tensor produced by a recorded op. In-place ops keep the value id of the tensor they mutate, views
+get a value id of their own and share the storage of their source: replaying the trace on real tensors
+in order therefore reproduces eager semantics exactly, aliasing included, and torch's functionalization
+turns the same replay into a pure graph for the compiler (`frontend/replay.py`).
+
+Every entry contributes a hashable signature to the trace's structural key, computed while recording, so
+finding the compiled plan for a step costs one dict lookup.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+__all__ = [
+    "LazyStorage", "ValueRef", "RealRef", "ScalarRef", "Entry", "Trace",
+]
+
+
+class LazyStorage:
+    """Shared by a lazy tensor and all its views, like a torch storage.
+
+    `real` is a tensor covering the whole storage once it holds device data. `creator` is the value id
+    of the trace value that allocated the storage (for storages created in the pending trace), and
+    `written` says that the pending trace writes into it.
+    """
+
+    __slots__ = ("real", "nbytes", "creator", "written", "epoch", "input_index", "__weakref__")
+
+    def __init__(self, nbytes: int, real: torch.Tensor | None = None) -> None:
+        self.real = real
+        self.nbytes = nbytes
+        self.creator: int | None = None
+        self.written = False
+        self.epoch = -1             # trace epoch in which creator/written/input_index are valid
+        self.input_index = -1       # index into Trace.storage_inputs for this epoch
+
+
+@dataclass(frozen=True, slots=True)
+class ValueRef:
+    vid: int
+
+
+@dataclass(frozen=True, slots=True)
+class RealRef:
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class ScalarRef:
+    index: int
+
+
+@dataclass(slots=True)
+class Entry:
+    """One recorded op. `fn` is an OpOverload or a small Python function built from ATen ops (used by
+    rewrites that turn Python scalars into lifted scalar inputs)."""
+
+    fn: Callable[..., Any]
+    args: list[Any]                 # ValueRef/RealRef/ScalarRef in place of tensors and lifted scalars
+    kwargs: dict[str, Any]
+    out_vids: tuple[int, ...]       # value id per output tensor
+    out_kind: type | None           # tuple/list for multi-output ops, None for a single tensor
+    reads: tuple[LazyStorage, ...]
+    writes: tuple[LazyStorage, ...]
+    sig: tuple                      # structural signature: op, constants, value ids, input metadata
+
+
+@dataclass
+class Trace:
+    epoch: int
+    entries: list[Entry] = field(default_factory=list)
+    # value id -> ("in", storage input index, layout) | ("out", entry index)
+    values: list[tuple] = field(default_factory=list)
+    storage_inputs: list[torch.Tensor] = field(default_factory=list)  # device data of each input storage
+    input_storages: list[LazyStorage] = field(default_factory=list)   # the storages themselves
+    real_inputs: list[torch.Tensor] = field(default_factory=list)
+    real_versions: list[int] = field(default_factory=list)
+    real_index: dict[int, int] = field(default_factory=dict)      # id(tensor) -> index
+    scalars: list[float] = field(default_factory=list)
+    metas: dict[int, tuple] = field(default_factory=dict)          # value id -> (size, stride, offset, dtype)
+    tensors: dict[int, weakref.ref] = field(default_factory=dict)  # value id -> lazy tensor
+    storages: dict[int, LazyStorage] = field(default_factory=dict)  # value id -> its storage
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def new_value(self, kind: tuple, storage: LazyStorage, meta: tuple) -> int:
+        vid = len(self.values)
+        self.values.append(kind)
+        self.storages[vid] = storage
+        self.metas[vid] = meta
+        return vid
+
+    def structure_key(self, outputs: tuple) -> tuple:
+        """Everything the compiled plan depends on: inputs' metadata, ops, constants, outputs."""
+        return (
+            tuple((s.numel(), s.dtype, s.device) for s in self.storage_inputs),
+            tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in self.real_inputs),
+            tuple(v for v in self.values if v[0] == "in"),
+            tuple(e.sig for e in self.entries),
+            len(self.scalars),
+            outputs,
+        )
+
+    def add_real_input(self, t: torch.Tensor) -> RealRef:
+        index = self.real_index.get(id(t))
+        if index is None:
+            index = len(self.real_inputs)
+            self.real_index[id(t)] = index
+            self.real_inputs.append(t)
+            self.real_versions.append(t._version)
+        return RealRef(index)
+
+    def add_scalar(self, value: float) -> ScalarRef:
+        self.scalars.append(float(value))
+        return ScalarRef(len(self.scalars) - 1)
+
+    def check_real_inputs(self) -> None:
+        """Eager tensors are captured by reference: writing into one after a lazy op read it would make the
+        lazy result silently wrong, so refuse loudly."""
+        for t, version in zip(self.real_inputs, self.real_versions):
+            if t._version != version:
+                raise RuntimeError(
+                    "pydisc: an eager tensor of shape %s was modified in place after a lazy op used it in "
+                    "this step. Pass a copy (`t.clone()`) to the lazy computation, or call "
+                    "pydisc.mark_step() before modifying it." % (tuple(t.shape),))

@@ -1,0 +1,66 @@
+"""`pydisc.lazy(module)`: turn a module's parameters and buffers into lazy tensors, in place."""
+from __future__ import annotations
+
+import torch
+
+from .frontend.lazy_tensor import LazyTensor, to_lazy
+
+__all__ = ["lazy"]
+
+
+def _default_device(module: torch.nn.Module) -> torch.device:
+    for t in list(module.parameters()) + list(module.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def _lazy_input(x, device: torch.device):
+    if isinstance(x, torch.Tensor) and not isinstance(x, LazyTensor):
+        return to_lazy(x.to(device))
+    if isinstance(x, (list, tuple)):
+        return type(x)(_lazy_input(v, device) for v in x)
+    if isinstance(x, dict):
+        return {k: _lazy_input(v, device) for k, v in x.items()}
+    return x
+
+
+def lazy(module: torch.nn.Module, *, device: str | torch.device | None = None) -> torch.nn.Module:
+    """Convert `module` in place and return it: its parameters and buffers become lazy tensors on
+    `device` (default: where they are now), and tensors passed to its forward become lazy too.
+
+    Build optimizers after this call: they must hold the lazy parameters.
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError("pydisc.lazy expects a torch.nn.Module, got %s" % type(module).__name__)
+    device = torch.device(device) if device is not None else _default_device(module)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("pydisc.lazy: device %s requested but CUDA is not available" % device)
+    converted: dict[int, torch.Tensor] = {}   # tied weights stay tied
+
+    def convert(t: torch.Tensor | None, is_param: bool):
+        if t is None or isinstance(t, LazyTensor):
+            return t
+        if id(t) in converted:
+            return converted[id(t)]
+        data = to_lazy(t.detach().to(device))
+        if is_param:
+            new = torch.nn.Parameter(data, requires_grad=t.requires_grad)
+        else:
+            new = data
+        converted[id(t)] = new
+        return new
+
+    # Entries are replaced directly: module._apply and `param.data = ...` do not work for wrapper
+    # subclasses (see the recording notes).
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            m._parameters[name] = convert(p, True)
+        for name, b in list(m._buffers.items()):
+            m._buffers[name] = convert(b, False)
+    if not getattr(module, "_pydisc_hooked", False):
+        module.register_forward_pre_hook(
+            lambda mod, args, kwargs: (_lazy_input(args, device), _lazy_input(kwargs, device)),
+            with_kwargs=True)
+        module._pydisc_hooked = True
+    module._pydisc_device = device
+    return module
