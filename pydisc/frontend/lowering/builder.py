@@ -1,0 +1,412 @@
+"""A small builder for StableHLO MLIR text.
+
+Rules never paste MLIR strings together themselves: they call the builder, which names SSA values,
+spells tensor types and writes one op per line. The shape-sensitive helpers (`broadcast_in_dim`,
+`reshape`, `convert`, `full`) are the only places that decide how a shape is materialised, so that
+dynamic dimensions can later be handled here once (the way JAX's mlir.py does it).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "ELEMENT_TYPES",
+    "FunctionBuilder",
+    "TensorSpec",
+    "Value",
+    "element_type",
+    "is_float",
+    "is_signed_int",
+]
+
+ELEMENT_TYPES: dict[torch.dtype, str] = {
+    torch.float32: "f32",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.float64: "f64",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.int16: "i16",
+    torch.int8: "i8",
+    torch.uint8: "ui8",
+    torch.bool: "i1",
+}
+
+
+def element_type(dtype: torch.dtype) -> str:
+    return ELEMENT_TYPES[dtype]
+
+
+def is_float(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point
+
+
+def is_signed_int(dtype: torch.dtype) -> bool:
+    return dtype in (torch.int64, torch.int32, torch.int16, torch.int8)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """Shape and dtype of one tensor; `str()` is its MLIR type."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def with_dtype(self, dtype: torch.dtype) -> TensorSpec:
+        return TensorSpec(self.shape, dtype)
+
+    def with_shape(self, shape: Sequence[int]) -> TensorSpec:
+        return TensorSpec(tuple(shape), self.dtype)
+
+    def __str__(self) -> str:
+        dims = "".join(f"{d}x" for d in self.shape)
+        return f"tensor<{dims}{element_type(self.dtype)}>"
+
+
+@dataclass(frozen=True, slots=True)
+class Value:
+    """An SSA value of the function being built."""
+
+    name: str
+    type: TensorSpec
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.type.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.type.dtype
+
+    @property
+    def rank(self) -> int:
+        return self.type.rank
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def _i64_array(values: Sequence[int]) -> str:
+    return "array<i64" + ("" if not values else ": " + ", ".join(str(int(v)) for v in values)) + ">"
+
+
+def _literal(value: float | int | bool, dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return "true" if value else "false"
+    if not dtype.is_floating_point:
+        return str(int(value))
+    value = float(value)
+    if math.isfinite(value):
+        return repr(value)
+    # Non-finite: give the exact bit pattern in this element type.
+    bits = torch.tensor(value, dtype=dtype)
+    int_type = {2: torch.int16, 4: torch.int32, 8: torch.int64}[bits.element_size()]
+    pattern = int(bits.view(int_type).item()) & ((1 << (8 * bits.element_size())) - 1)
+    return f"0x{pattern:0{2 * bits.element_size()}X}"
+
+
+class FunctionBuilder:
+    """Collects the body of one `func.func`; values get fresh names `%0`, `%1`, ..."""
+
+    def __init__(self) -> None:
+        self._lines: list[str] = []
+        self._indent = "    "
+        self._count = 0
+
+    # ---- low level -------------------------------------------------------------------------------
+    def fresh(self, spec: TensorSpec) -> Value:
+        value = Value(f"%{self._count}", spec)
+        self._count += 1
+        return value
+
+    def line(self, text: str) -> None:
+        self._lines.append(self._indent + text)
+
+    @property
+    def lines(self) -> list[str]:
+        return self._lines
+
+    def op(
+        self,
+        name: str,
+        operands: Sequence[Value],
+        results: Sequence[TensorSpec] | TensorSpec,
+        attrs: dict[str, str] | None = None,
+        regions: Sequence[Callable[[], None]] = (),
+    ) -> Value | tuple[Value, ...]:
+        """Emit an op in MLIR generic form; regions are callbacks that emit their own blocks."""
+        single = isinstance(results, TensorSpec)
+        specs = [results] if single else list(results)
+        outs = [self.fresh(s) for s in specs]
+        lhs = ", ".join(o.name for o in outs)
+        attr_text = ""
+        if attrs:
+            attr_text = " {" + ", ".join(f"{k} = {v}" for k, v in attrs.items()) + "}"
+        sig = f"({', '.join(str(o.type) for o in operands)}) -> "
+        sig += str(specs[0]) if len(specs) == 1 else f"({', '.join(str(s) for s in specs)})"
+        head = f'{lhs} = "{name}"({", ".join(o.name for o in operands)})'
+        if not regions:
+            self.line(f"{head}{attr_text} : {sig}")
+        else:
+            self.line(head + " ({")
+            for i, emit_region in enumerate(regions):
+                saved = self._indent
+                self._indent = saved + "  "
+                emit_region()
+                self._indent = saved
+                if i + 1 < len(regions):
+                    self.line("}, {")
+            self.line(f"}}){attr_text} : {sig}")
+        return outs[0] if single else tuple(outs)
+
+    def block(self, arg_specs: Sequence[TensorSpec], body: Callable[..., Sequence[Value]]) -> Callable[[], None]:
+        """A region callback with one block taking `arg_specs` and returning `body(*args)`."""
+
+        def emit() -> None:
+            args = [self.fresh(s) for s in arg_specs]
+            self.line("^bb0(" + ", ".join(f"{a.name}: {a.type}" for a in args) + "):")
+            results = body(*args)
+            self.line(
+                "stablehlo.return " + ", ".join(r.name for r in results)
+                + " : " + ", ".join(str(r.type) for r in results)
+            )
+
+        return emit
+
+    # ---- elementwise -----------------------------------------------------------------------------
+    def unary(self, name: str, x: Value, result: TensorSpec | None = None) -> Value:
+        spec = result or x.type
+        out = self.fresh(spec)
+        if spec == x.type:
+            self.line(f"{out.name} = stablehlo.{name} {x.name} : {spec}")
+        else:
+            self.line(f"{out.name} = stablehlo.{name} {x.name} : ({x.type}) -> {spec}")
+        return out
+
+    def binary(self, name: str, x: Value, y: Value) -> Value:
+        out = self.fresh(x.type)
+        self.line(f"{out.name} = stablehlo.{name} {x.name}, {y.name} : {x.type}")
+        return out
+
+    def compare(self, direction: str, x: Value, y: Value) -> Value:
+        """`direction` is EQ/NE/LT/LE/GT/GE; the comparison type follows the operand dtype."""
+        if x.dtype.is_floating_point:
+            kind = "FLOAT"
+        elif x.dtype in (torch.uint8, torch.bool):
+            kind = "UNSIGNED"
+        else:
+            kind = "SIGNED"
+        out = self.fresh(x.type.with_dtype(torch.bool))
+        self.line(
+            f"{out.name} = stablehlo.compare {direction}, {x.name}, {y.name}, {kind} : "
+            f"({x.type}, {y.type}) -> {out.type}"
+        )
+        return out
+
+    def select(self, pred: Value, on_true: Value, on_false: Value) -> Value:
+        out = self.fresh(on_true.type)
+        self.line(
+            f"{out.name} = stablehlo.select {pred.name}, {on_true.name}, {on_false.name} : "
+            f"{pred.type}, {on_true.type}"
+        )
+        return out
+
+    # ---- constants and shapes ---------------------------------------------------------------------
+    def constant(self, value: float | int | bool, dtype: torch.dtype) -> Value:
+        """A 0-d constant."""
+        out = self.fresh(TensorSpec((), dtype))
+        self.line(f"{out.name} = stablehlo.constant dense<{_literal(value, dtype)}> : {out.type}")
+        return out
+
+    def full(self, shape: Sequence[int], value: float | int | bool, dtype: torch.dtype) -> Value:
+        # Static shapes take a splat constant; a dynamic shape will broadcast a 0-d constant here.
+        out = self.fresh(TensorSpec(tuple(shape), dtype))
+        self.line(f"{out.name} = stablehlo.constant dense<{_literal(value, dtype)}> : {out.type}")
+        return out
+
+    def broadcast_in_dim(self, x: Value, shape: Sequence[int], dims: Sequence[int]) -> Value:
+        """`x`'s dim i becomes output dim `dims[i]` (a size-1 dim may be expanded)."""
+        spec = TensorSpec(tuple(shape), x.dtype)
+        if spec == x.type and list(dims) == list(range(x.rank)):
+            return x
+        return self.op(
+            "stablehlo.broadcast_in_dim", [x], spec, {"broadcast_dimensions": _i64_array(dims)}
+        )
+
+    def broadcast_to(self, x: Value, shape: Sequence[int]) -> Value:
+        """numpy-style broadcast: align trailing dims."""
+        offset = len(shape) - x.rank
+        return self.broadcast_in_dim(x, shape, range(offset, len(shape)))
+
+    def reshape(self, x: Value, shape: Sequence[int]) -> Value:
+        spec = TensorSpec(tuple(shape), x.dtype)
+        if spec == x.type:
+            return x
+        return self.op("stablehlo.reshape", [x], spec)
+
+    def transpose(self, x: Value, perm: Sequence[int]) -> Value:
+        if list(perm) == list(range(x.rank)):
+            return x
+        shape = tuple(x.shape[p] for p in perm)
+        return self.op(
+            "stablehlo.transpose", [x], x.type.with_shape(shape), {"permutation": _i64_array(perm)}
+        )
+
+    def convert(self, x: Value, dtype: torch.dtype) -> Value:
+        """dtype conversion with torch semantics (to bool means `!= 0`; float to int truncates)."""
+        if x.dtype == dtype:
+            return x
+        if dtype == torch.bool:
+            return self.compare("NE", x, self.full(x.shape, 0, x.dtype))
+        if x.dtype == torch.bool:
+            # i1 -> integer may sign-extend to -1 in some lowerings: select is unambiguous.
+            return self.select(x, self.full(x.shape, 1, dtype), self.full(x.shape, 0, dtype))
+        return self.unary("convert", x, x.type.with_dtype(dtype))
+
+    def iota(self, shape: Sequence[int], dim: int, dtype: torch.dtype) -> Value:
+        return self.op(
+            "stablehlo.iota", [], TensorSpec(tuple(shape), dtype), {"iota_dimension": f"{dim} : i64"}
+        )
+
+    def slice(self, x: Value, start: Sequence[int], limit: Sequence[int], strides: Sequence[int]) -> Value:
+        shape = tuple(max(0, -(-(hi - lo) // st)) for lo, hi, st in zip(start, limit, strides))
+        if shape == x.shape:
+            return x
+        return self.op(
+            "stablehlo.slice",
+            [x],
+            x.type.with_shape(shape),
+            {
+                "start_indices": _i64_array(start),
+                "limit_indices": _i64_array(limit),
+                "strides": _i64_array(strides),
+            },
+        )
+
+    def concatenate(self, xs: Sequence[Value], dim: int) -> Value:
+        if len(xs) == 1:
+            return xs[0]
+        shape = list(xs[0].shape)
+        shape[dim] = sum(x.shape[dim] for x in xs)
+        return self.op(
+            "stablehlo.concatenate", list(xs), xs[0].type.with_shape(shape), {"dimension": f"{dim} : i64"}
+        )
+
+    def pad(self, x: Value, value: Value, low: Sequence[int], high: Sequence[int], interior: Sequence[int]) -> Value:
+        shape = tuple(
+            lo + hi + d + max(d - 1, 0) * i for d, lo, hi, i in zip(x.shape, low, high, interior)
+        )
+        return self.op(
+            "stablehlo.pad",
+            [x, value],
+            x.type.with_shape(shape),
+            {
+                "edge_padding_low": _i64_array(low),
+                "edge_padding_high": _i64_array(high),
+                "interior_padding": _i64_array(interior),
+            },
+        )
+
+    def reverse(self, x: Value, dims: Sequence[int]) -> Value:
+        if not dims:
+            return x
+        return self.op("stablehlo.reverse", [x], x.type, {"dimensions": _i64_array(dims)})
+
+    # ---- structured ops ---------------------------------------------------------------------------
+    def dot_general(
+        self,
+        lhs: Value,
+        rhs: Value,
+        batch: tuple[Sequence[int], Sequence[int]],
+        contract: tuple[Sequence[int], Sequence[int]],
+        out_dtype: torch.dtype,
+    ) -> Value:
+        """Result dims: batch, lhs free, rhs free (StableHLO order)."""
+        lhs_free = [d for d in range(lhs.rank) if d not in batch[0] and d not in contract[0]]
+        rhs_free = [d for d in range(rhs.rank) if d not in batch[1] and d not in contract[1]]
+        shape = (
+            [lhs.shape[d] for d in batch[0]] + [lhs.shape[d] for d in lhs_free] + [rhs.shape[d] for d in rhs_free]
+        )
+        dims = (
+            "#stablehlo.dot<"
+            f"lhs_batching_dimensions = [{', '.join(map(str, batch[0]))}], "
+            f"rhs_batching_dimensions = [{', '.join(map(str, batch[1]))}], "
+            f"lhs_contracting_dimensions = [{', '.join(map(str, contract[0]))}], "
+            f"rhs_contracting_dimensions = [{', '.join(map(str, contract[1]))}]>"
+        )
+        return self.op(
+            "stablehlo.dot_general", [lhs, rhs], TensorSpec(tuple(shape), out_dtype), {"dot_dimension_numbers": dims}
+        )
+
+    def reduce(
+        self,
+        xs: Sequence[Value],
+        inits: Sequence[Value],
+        dims: Sequence[int],
+        body: Callable[..., Sequence[Value]],
+    ) -> tuple[Value, ...]:
+        """Variadic reduce over `dims`; `body(*accumulators, *elements)` gets 0-d values."""
+        dims = sorted(set(dims))
+        shape = tuple(d for i, d in enumerate(xs[0].shape) if i not in dims)
+        scalars = [TensorSpec((), x.dtype) for x in xs]
+        out = self.op(
+            "stablehlo.reduce",
+            [*xs, *inits],
+            [TensorSpec(shape, x.dtype) for x in xs],
+            {"dimensions": _i64_array(dims)},
+            regions=[self.block(scalars + scalars, body)],
+        )
+        return out if isinstance(out, tuple) else (out,)
+
+    def reduce_window(
+        self,
+        x: Value,
+        init: Value,
+        window: Sequence[int],
+        strides: Sequence[int],
+        padding: Sequence[tuple[int, int]],
+        body: Callable[..., Sequence[Value]],
+        dilations: Sequence[int] | None = None,
+    ) -> Value:
+        shape = []
+        for d, w, s, (lo, hi), dil in zip(x.shape, window, strides, padding, dilations or [1] * x.rank):
+            span = (w - 1) * dil + 1
+            shape.append((d + lo + hi - span) // s + 1)
+        attrs = {
+            "window_dimensions": _i64_array(window),
+            "window_strides": _i64_array(strides),
+            "padding": "dense<[" + ", ".join(f"[{lo}, {hi}]" for lo, hi in padding) + f"]> : tensor<{x.rank}x2xi64>",
+        }
+        if dilations is not None:
+            attrs["window_dilations"] = _i64_array(dilations)
+        scalar = TensorSpec((), x.dtype)
+        return self.op(
+            "stablehlo.reduce_window",
+            [x, init],
+            x.type.with_shape(shape),
+            attrs,
+            regions=[self.block([scalar, scalar], body)],
+        )
+
+    def text(self) -> str:
+        return "\n".join(self._lines)
+
+
+def i64_array(values: Sequence[int]) -> str:
+    """An `array<i64: ...>` attribute (for rules that build attributes the builder has no helper for)."""
+    return _i64_array(values)
+
+
+__all__ += ["i64_array"]

@@ -1,0 +1,310 @@
+"""Elementwise ops: one family of rules built with functools.partial.
+
+Every rule follows torch's semantics: operands are promoted to the node's result dtype (taken from the
+recorded metadata, so torch's own type promotion decides, including the rule that a Python scalar does
+not widen a tensor), Python scalars become constants, and operands broadcast numpy-style. float16 and
+bfloat16 are computed in float32 and rounded once at the end, as torch's CPU kernels do.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
+
+from pydisc.frontend.lowering.builder import FunctionBuilder, Value
+from pydisc.frontend.lowering.registry import LoweringContext, lowering
+
+__all__ = ["as_operand", "compute_dtype", "promoted_dtype"]
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+Scalar = float | int | bool
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in _LOW_PRECISION else dtype
+
+
+def promoted_dtype(*args: Value | Scalar | None) -> torch.dtype:
+    """torch's result dtype for operands; a 0-d Value ranks below a dimensioned one, as in torch."""
+    proxies = [
+        torch.empty((0,) if a.rank else (), dtype=a.dtype) if isinstance(a, Value) else a
+        for a in args
+        if a is not None
+    ]
+    return elementwise_dtypes(*proxies, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)[1]
+
+
+def as_operand(b: FunctionBuilder, x: Value | Scalar, dtype: torch.dtype, shape: tuple[int, ...]) -> Value:
+    if isinstance(x, Value):
+        return b.broadcast_to(b.convert(x, dtype), shape)
+    return b.full(shape, x, dtype)
+
+
+Emit = Callable[..., Value]
+
+
+def _arith(ctx: LoweringContext, *args: Value | Scalar, emit: Emit) -> Value:
+    b = ctx.builder
+    dtype = compute_dtype(ctx.out_dtype)
+    operands = [as_operand(b, a, dtype, ctx.out_spec.shape) for a in args]
+    return b.convert(emit(b, *operands), ctx.out_dtype)
+
+
+def _binary(name: str) -> Emit:
+    return lambda b, x, y: b.binary(name, x, y)
+
+
+def _unary(name: str) -> Emit:
+    return lambda b, x: b.unary(name, x)
+
+
+def _float_only(name: str) -> Emit:
+    # floor/ceil/round of an integer tensor is the tensor itself.
+    return lambda b, x: b.unary(name, x) if x.dtype.is_floating_point else x
+
+
+def _chlo(name: str) -> Emit:
+    return lambda b, x: b.op(f"chlo.{name}", [x], x.type)
+
+
+def _reciprocal(b: FunctionBuilder, x: Value) -> Value:
+    return b.binary("divide", b.full(x.shape, 1, x.dtype), x)
+
+
+def _relu(b: FunctionBuilder, x: Value) -> Value:
+    return b.binary("maximum", x, b.full(x.shape, 0, x.dtype))
+
+
+def _sign(b: FunctionBuilder, x: Value) -> Value:
+    if x.dtype in (torch.bool, torch.uint8):
+        return b.convert(b.convert(x, torch.bool), x.dtype)
+    return b.unary("sign", x)
+
+
+def _isnan(b: FunctionBuilder, x: Value) -> Value:
+    return b.compare("NE", x, x)
+
+
+_UNARY: dict[object, Emit] = {
+    aten.neg.default: _unary("negate"),
+    aten.abs.default: _unary("abs"),
+    aten.exp.default: _unary("exponential"),
+    aten.expm1.default: _unary("exponential_minus_one"),
+    aten.log.default: _unary("log"),
+    aten.log1p.default: _unary("log_plus_one"),
+    aten.sqrt.default: _unary("sqrt"),
+    aten.rsqrt.default: _unary("rsqrt"),
+    aten.tanh.default: _unary("tanh"),
+    aten.sigmoid.default: _unary("logistic"),
+    aten.sin.default: _unary("sine"),
+    aten.cos.default: _unary("cosine"),
+    aten.tan.default: _chlo("tan"),
+    aten.erf.default: _chlo("erf"),
+    aten.floor.default: _float_only("floor"),
+    aten.ceil.default: _float_only("ceil"),
+    aten.round.default: _float_only("round_nearest_even"),
+    aten.sign.default: _sign,
+    aten.reciprocal.default: _reciprocal,
+    aten.relu.default: _relu,
+    aten.bitwise_not.default: _unary("not"),
+}
+for _op, _emit in _UNARY.items():
+    lowering(_op)(partial(_arith, emit=_emit))
+
+
+def _log2(b: FunctionBuilder, x: Value) -> Value:
+    return b.binary("divide", b.unary("log", x), b.full(x.shape, 0.6931471805599453, x.dtype))
+
+
+def _log10(b: FunctionBuilder, x: Value) -> Value:
+    return b.binary("divide", b.unary("log", x), b.full(x.shape, 2.302585092994046, x.dtype))
+
+
+def _exp2(b: FunctionBuilder, x: Value) -> Value:
+    return b.binary("power", b.full(x.shape, 2, x.dtype), x)
+
+
+lowering(aten.log2.default)(partial(_arith, emit=_log2))
+lowering(aten.log10.default)(partial(_arith, emit=_log10))
+lowering(aten.exp2.default)(partial(_arith, emit=_exp2))
+
+_BINARY: dict[object, Emit] = {
+    aten.mul.Tensor: _binary("multiply"),
+    aten.mul.Scalar: _binary("multiply"),
+    aten.maximum.default: _binary("maximum"),
+    aten.minimum.default: _binary("minimum"),
+    aten.bitwise_and.Tensor: _binary("and"),
+    aten.bitwise_and.Scalar: _binary("and"),
+    aten.bitwise_or.Tensor: _binary("or"),
+    aten.bitwise_or.Scalar: _binary("or"),
+    aten.bitwise_xor.Tensor: _binary("xor"),
+    aten.bitwise_xor.Scalar: _binary("xor"),
+    aten.fmod.Tensor: _binary("remainder"),
+    aten.fmod.Scalar: _binary("remainder"),
+    aten.atan2.default: _binary("atan2"),
+    prims.mul.default: _binary("multiply"),
+    prims.add.default: _binary("add"),
+    prims.sub.default: _binary("subtract"),
+}
+for _op, _emit in _BINARY.items():
+    lowering(_op)(partial(_arith, emit=_emit))
+
+
+@lowering(aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.rsub.Tensor, aten.rsub.Scalar)
+def _add_sub(ctx: LoweringContext, x: Value | Scalar, y: Value | Scalar, alpha: Scalar = 1) -> Value:
+    op = ctx.node.target
+    name = "add" if op in (aten.add.Tensor, aten.add.Scalar) else "subtract"
+    if op in (aten.rsub.Tensor, aten.rsub.Scalar):
+        x, y = y, x
+
+        def emit(b: FunctionBuilder, y_: Value, x_: Value) -> Value:
+            scaled = x_ if alpha == 1 else b.binary("multiply", x_, b.full(x_.shape, alpha, x_.dtype))
+            return b.binary(name, y_, scaled)
+
+        return _arith(ctx, y, x, emit=emit)
+
+    def emit(b: FunctionBuilder, x_: Value, y_: Value) -> Value:
+        scaled = y_ if alpha == 1 else b.binary("multiply", y_, b.full(y_.shape, alpha, y_.dtype))
+        return b.binary(name, x_, scaled)
+
+    return _arith(ctx, x, y, emit=emit)
+
+
+def _floor_divide_int(b: FunctionBuilder, x: Value, y: Value) -> Value:
+    # StableHLO integer division truncates; floor it when the signs differ and it is inexact.
+    quotient = b.binary("divide", x, y)
+    zero = b.full(x.shape, 0, x.dtype)
+    inexact = b.compare("NE", b.binary("remainder", x, y), zero)
+    signs_differ = b.compare("NE", b.compare("LT", x, zero), b.compare("LT", y, zero))
+    adjust = b.binary("and", inexact, signs_differ)
+    return b.select(adjust, b.binary("subtract", quotient, b.full(x.shape, 1, x.dtype)), quotient)
+
+
+def _floor_divide_float(b: FunctionBuilder, x: Value, y: Value) -> Value:
+    # torch's div_floor_floating: floor((x - fmod(x, y)) / y), corrected so that the result is exact.
+    zero = b.full(x.shape, 0, x.dtype)
+    one = b.full(x.shape, 1, x.dtype)
+    mod = b.binary("remainder", x, y)
+    div = b.binary("divide", b.binary("subtract", x, mod), y)
+    fix = b.binary("and", b.compare("NE", mod, zero), b.compare("NE", b.compare("LT", y, zero), b.compare("LT", mod, zero)))
+    div = b.select(fix, b.binary("subtract", div, one), div)
+    floored = b.unary("floor", div)
+    round_up = b.compare("GT", b.binary("subtract", div, floored), b.full(x.shape, 0.5, x.dtype))
+    floored = b.select(round_up, b.binary("add", floored, one), floored)
+    # y == 0: plain division gives torch's inf/nan.
+    return b.select(b.compare("EQ", y, zero), b.binary("divide", x, y), floored)
+
+
+def _trunc(b: FunctionBuilder, x: Value) -> Value:
+    negative = b.compare("LT", x, b.full(x.shape, 0, x.dtype))
+    return b.select(negative, b.unary("ceil", x), b.unary("floor", x))
+
+
+def _divide(b: FunctionBuilder, x: Value, y: Value, rounding_mode: str | None) -> Value:
+    if rounding_mode is None or (rounding_mode == "trunc" and not x.dtype.is_floating_point):
+        return b.binary("divide", x, y)
+    if rounding_mode == "trunc":
+        return _trunc(b, b.binary("divide", x, y))
+    if x.dtype.is_floating_point:
+        return _floor_divide_float(b, x, y)
+    return _floor_divide_int(b, x, y)
+
+
+@lowering(aten.div.Tensor, aten.div.Scalar, aten.div.Tensor_mode, aten.div.Scalar_mode, aten.floor_divide.default)
+def _div(ctx: LoweringContext, x: Value | Scalar, y: Value | Scalar, *, rounding_mode: str | None = None) -> Value:
+    if ctx.node.target is aten.floor_divide.default:
+        rounding_mode = "floor"
+    return _arith(ctx, x, y, emit=partial(_divide, rounding_mode=rounding_mode))
+
+
+@lowering(prims.div.default)
+def _prims_div(ctx: LoweringContext, x: Value, y: Value) -> Value:
+    # prims.div truncates for integers and is true division for floats: StableHLO's divide exactly.
+    return _arith(ctx, x, y, emit=_binary("divide"))
+
+
+def _remainder_emit(b: FunctionBuilder, x: Value, y: Value) -> Value:
+    # Python-style modulo: the result takes the sign of the divisor.
+    rem = b.binary("remainder", x, y)
+    zero = b.full(x.shape, 0, x.dtype)
+    fix = b.binary("and", b.compare("NE", rem, zero), b.compare("NE", b.compare("LT", rem, zero), b.compare("LT", y, zero)))
+    return b.select(fix, b.binary("add", rem, y), rem)
+
+
+lowering(aten.remainder.Tensor, aten.remainder.Scalar)(partial(_arith, emit=_remainder_emit))
+
+
+@lowering(aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar)
+def _pow(ctx: LoweringContext, x: Value | Scalar, y: Value | Scalar) -> Value:
+    if not isinstance(y, Value) and y == 2:
+        return _arith(ctx, x, emit=lambda b, v: b.binary("multiply", v, v))
+    if not isinstance(y, Value) and y == 0.5 and ctx.out_dtype.is_floating_point:
+        return _arith(ctx, x, emit=_unary("sqrt"))
+    return _arith(ctx, x, y, emit=_binary("power"))
+
+
+@lowering(aten.clamp.default, aten.clamp.Tensor)
+def _clamp(ctx: LoweringContext, x: Value, min: Value | Scalar | None = None, max: Value | Scalar | None = None) -> Value:
+    b = ctx.builder
+    dtype = compute_dtype(ctx.out_dtype)
+    shape = ctx.out_spec.shape
+    result = as_operand(b, x, dtype, shape)
+    if min is not None:
+        result = b.binary("maximum", result, as_operand(b, min, dtype, shape))
+    if max is not None:
+        result = b.binary("minimum", result, as_operand(b, max, dtype, shape))
+    return b.convert(result, ctx.out_dtype)
+
+
+@lowering(aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar, prims.where.default)
+def _where(ctx: LoweringContext, cond: Value, x: Value | Scalar, y: Value | Scalar) -> Value:
+    b = ctx.builder
+    shape = ctx.out_spec.shape
+    pred = b.broadcast_to(b.convert(cond, torch.bool), shape)
+    return b.select(pred, as_operand(b, x, ctx.out_dtype, shape), as_operand(b, y, ctx.out_dtype, shape))
+
+
+def _compare(ctx: LoweringContext, x: Value | Scalar, y: Value | Scalar, *, direction: str) -> Value:
+    b = ctx.builder
+    dtype = promoted_dtype(x, y)
+    shape = ctx.out_spec.shape
+    return b.compare(direction, as_operand(b, x, dtype, shape), as_operand(b, y, dtype, shape))
+
+
+for _name, _direction in {"eq": "EQ", "ne": "NE", "lt": "LT", "le": "LE", "gt": "GT", "ge": "GE"}.items():
+    _packet = getattr(aten, _name)
+    lowering(_packet.Tensor, _packet.Scalar)(partial(_compare, direction=_direction))
+
+
+def _logical(ctx: LoweringContext, *args: Value | Scalar, name: str) -> Value:
+    b = ctx.builder
+    shape = ctx.out_spec.shape
+    operands = [as_operand(b, a, torch.bool, shape) for a in args]
+    result = b.unary("not", operands[0]) if name == "not" else b.binary(name, *operands)
+    return b.convert(result, ctx.out_dtype)
+
+
+lowering(aten.logical_and.default)(partial(_logical, name="and"))
+lowering(aten.logical_or.default)(partial(_logical, name="or"))
+lowering(aten.logical_xor.default)(partial(_logical, name="xor"))
+lowering(aten.logical_not.default)(partial(_logical, name="not"))
+
+
+@lowering(aten.isnan.default)
+def _isnan_rule(ctx: LoweringContext, x: Value) -> Value:
+    b = ctx.builder
+    if not x.dtype.is_floating_point:
+        return b.full(x.shape, False, torch.bool)
+    return _isnan(b, x)
+
+
+@lowering(aten.isinf.default)
+def _isinf(ctx: LoweringContext, x: Value) -> Value:
+    b = ctx.builder
+    if not x.dtype.is_floating_point:
+        return b.full(x.shape, False, torch.bool)
+    return b.compare("EQ", b.unary("abs", x), b.full(x.shape, float("inf"), x.dtype))

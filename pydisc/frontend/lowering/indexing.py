@@ -1,0 +1,183 @@
+"""Indexing ops: gather, scatter, index_select, embedding, index.Tensor.
+
+torch's `gather`/`scatter` address one element per index entry; in StableHLO that is a gather/scatter
+whose index vectors hold a full coordinate: the index tensor along `dim`, an iota along every other dim.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from pydisc.frontend.lowering.builder import FunctionBuilder, TensorSpec, Value, i64_array
+from pydisc.frontend.lowering.elementwise import as_operand
+from pydisc.frontend.lowering.registry import LoweringContext, lowering, support_check
+from pydisc.frontend.lowering.shape import normalize_dim
+
+__all__ = ["scatter"]
+
+aten = torch.ops.aten
+
+
+def _dims(values: Sequence[int]) -> str:
+    return "[" + ", ".join(str(v) for v in values) + "]"
+
+
+def _gather(
+    b: FunctionBuilder,
+    x: Value,
+    indices: Value,
+    out: TensorSpec,
+    *,
+    offset_dims: Sequence[int],
+    collapsed: Sequence[int],
+    start_index_map: Sequence[int],
+    index_vector_dim: int,
+    slice_sizes: Sequence[int],
+) -> Value:
+    numbers = (
+        f"#stablehlo.gather<offset_dims = {_dims(offset_dims)}, collapsed_slice_dims = {_dims(collapsed)}, "
+        f"start_index_map = {_dims(start_index_map)}, index_vector_dim = {index_vector_dim}>"
+    )
+    return b.op(
+        "stablehlo.gather",
+        [x, indices],
+        out,
+        {"dimension_numbers": numbers, "slice_sizes": i64_array(slice_sizes), "indices_are_sorted": "false"},
+    )
+
+
+def _wrap_negative(b: FunctionBuilder, index: Value, size: int) -> Value:
+    """torch accepts index -k for size - k."""
+    index = b.convert(index, torch.int64)
+    negative = b.compare("LT", index, b.full(index.shape, 0, torch.int64))
+    return b.select(negative, b.binary("add", index, b.full(index.shape, size, torch.int64)), index)
+
+
+def _full_coordinates(b: FunctionBuilder, index: Value, dim: int, size: int) -> Value:
+    """index.shape + [rank]: coordinate `dim` from `index`, the others from iotas."""
+    shape = (*index.shape, 1)
+    index = _wrap_negative(b, index, size)
+    columns = [
+        b.reshape(index, shape) if d == dim else b.iota(shape, d, torch.int64) for d in range(index.rank)
+    ]
+    return b.concatenate(columns, index.rank)
+
+
+@lowering(aten.gather.default)
+def _gather_rule(ctx: LoweringContext, x: Value, dim: int, index: Value, *, sparse_grad: bool = False) -> Value:
+    b = ctx.builder
+    if x.rank == 0:
+        return b.reshape(x, ctx.out_spec.shape)
+    dim = normalize_dim(dim, x.rank)
+    coords = _full_coordinates(b, index, dim, x.shape[dim])
+    rank = x.rank
+    return _gather(
+        b, x, coords, ctx.out_spec, offset_dims=[], collapsed=range(rank), start_index_map=range(rank),
+        index_vector_dim=rank, slice_sizes=[1] * rank,
+    )
+
+
+@lowering(aten.index_select.default)
+def _index_select(ctx: LoweringContext, x: Value, dim: int, index: Value) -> Value:
+    b = ctx.builder
+    dim = normalize_dim(dim, x.rank)
+    if x.rank == 0:
+        return b.reshape(x, ctx.out_spec.shape)
+    index = b.reshape(_wrap_negative(b, index, x.shape[dim]), (ctx.out_spec.shape[dim],))
+    sizes = list(x.shape)
+    sizes[dim] = 1
+    return _gather(
+        b, x, index, ctx.out_spec, offset_dims=[d for d in range(x.rank) if d != dim], collapsed=[dim],
+        start_index_map=[dim], index_vector_dim=1, slice_sizes=sizes,
+    )
+
+
+@lowering(aten.embedding.default)
+def _embedding(ctx: LoweringContext, weight: Value, indices: Value, *_: object) -> Value:
+    b = ctx.builder
+    indices = b.convert(indices, torch.int64)
+    return _gather(
+        b, weight, indices, ctx.out_spec, offset_dims=[indices.rank], collapsed=[0], start_index_map=[0],
+        index_vector_dim=indices.rank, slice_sizes=[1, weight.shape[1]],
+    )
+
+
+@lowering(aten.index.Tensor)
+def _index(ctx: LoweringContext, x: Value, indices: Sequence[Value | None]) -> Value:
+    """x[i0, i1, ...] with leading index tensors (broadcast together) and trailing full slices."""
+    b = ctx.builder
+    count = len(indices)
+    batch = torch.broadcast_shapes(*(i.shape for i in indices))  # type: ignore[union-attr]
+    columns = [
+        b.reshape(b.broadcast_to(_wrap_negative(b, i, x.shape[d]), batch), (*batch, 1))  # type: ignore[arg-type]
+        for d, i in enumerate(indices)
+    ]
+    coords = b.concatenate(columns, len(batch))
+    return _gather(
+        b, x, coords, ctx.out_spec, offset_dims=range(len(batch), len(batch) + x.rank - count),
+        collapsed=range(count), start_index_map=range(count), index_vector_dim=len(batch),
+        slice_sizes=[1] * count + list(x.shape[count:]),
+    )
+
+
+@support_check(aten.index.Tensor)
+def _index_check(node: torch.fx.Node) -> str | None:
+    indices = node.args[1]
+    if any(i is None for i in indices):  # type: ignore[union-attr]
+        return "index with None (slice) entries"
+    if any(i.meta["val"].dtype == torch.bool for i in indices):  # type: ignore[union-attr]
+        return "boolean mask indexing has a data-dependent shape"
+    return None
+
+
+def scatter(
+    b: FunctionBuilder, x: Value, dim: int, index: Value, updates: Value, combine: Callable[..., Value] | None
+) -> Value:
+    """torch.scatter along `dim`: `combine(current, update)` or overwrite when None."""
+    dim = normalize_dim(dim, x.rank)
+    coords = _full_coordinates(b, index, dim, x.shape[dim])
+    rank = x.rank
+    numbers = (
+        f"#stablehlo.scatter<update_window_dims = [], inserted_window_dims = {_dims(range(rank))}, "
+        f"scatter_dims_to_operand_dims = {_dims(range(rank))}, index_vector_dim = {rank}>"
+    )
+    scalar = TensorSpec((), x.dtype)
+
+    def body(current: Value, update: Value) -> list[Value]:
+        return [update if combine is None else combine(b, current, update)]
+
+    return b.op(
+        "stablehlo.scatter",
+        [x, coords, updates],
+        x.type,
+        {"scatter_dimension_numbers": numbers, "indices_are_sorted": "false", "unique_indices": "false"},
+        regions=[b.block([scalar, scalar], body)],
+    )  # type: ignore[return-value]
+
+
+def _updates(b: FunctionBuilder, src: Value | float, index: Value, dtype: torch.dtype) -> Value:
+    if not isinstance(src, Value):
+        return as_operand(b, src, dtype, index.shape)
+    # Only src[:index.shape] takes part.
+    return b.convert(b.slice(src, [0] * src.rank, index.shape, [1] * src.rank), dtype)
+
+
+@lowering(aten.scatter.value, aten.scatter.src)
+def _scatter_rule(ctx: LoweringContext, x: Value, dim: int, index: Value, src: Value | float) -> Value:
+    if x.rank == 0:
+        return ctx.builder.reshape(_updates(ctx.builder, src, ctx.builder.reshape(index, (1,)), x.dtype), ())
+    return scatter(ctx.builder, x, dim, index, _updates(ctx.builder, src, index, x.dtype), None)
+
+
+@lowering(aten.scatter_add.default)
+def _scatter_add(ctx: LoweringContext, x: Value, dim: int, index: Value, src: Value) -> Value:
+    add = lambda b, u, v: b.binary("add", u, v)  # noqa: E731
+    return scatter(ctx.builder, x, dim, index, _updates(ctx.builder, src, index, x.dtype), add)
+
+
+@support_check(aten.scatter.value, aten.scatter.src, aten.scatter_add.default, aten.gather.default)
+def _no_empty_index(node: torch.fx.Node) -> str | None:
+    if node.args[2].meta["val"].numel() == 0:  # type: ignore[union-attr]
+        return "empty index tensor"
+    return None

@@ -1,0 +1,260 @@
+"""Neural-network ops that torch keeps whole in core ATen: convolution (forward, transposed, backward),
+max_pool2d_with_indices (forward and backward) and avg_pool2d.
+
+The convolution backward follows the usual identities: grad_input is a transposed convolution of the
+output gradient with the weight, grad_weight a convolution of the input with the output gradient
+(batch and feature roles swapped), grad_bias a sum.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from pydisc.frontend.lowering.builder import FunctionBuilder, TensorSpec, Value, i64_array
+from pydisc.frontend.lowering.indexing import scatter
+from pydisc.frontend.lowering.linalg import matmul  # noqa: F401  (rules for mm/bmm live there)
+from pydisc.frontend.lowering.reductions import reduce_sum
+from pydisc.frontend.lowering.registry import LoweringContext, lowering, support_check
+
+__all__: list[str] = []
+
+aten = torch.ops.aten
+
+
+def _conv_numbers(lhs: str, rhs: str, out: str, spatial: int) -> str:
+    dims = ", ".join(str(i) for i in range(spatial))
+    return f"#stablehlo.conv<[{lhs}, {dims}]x[{rhs}, {dims}]->[{out}, {dims}]>"
+
+
+def _conv(
+    b: FunctionBuilder,
+    lhs: Value,
+    rhs: Value,
+    out: TensorSpec,
+    *,
+    numbers: str,
+    strides: Sequence[int],
+    padding: Sequence[tuple[int, int]],
+    lhs_dilation: Sequence[int],
+    rhs_dilation: Sequence[int],
+    feature_groups: int = 1,
+    batch_groups: int = 1,
+) -> Value:
+    attrs = {
+        "batch_group_count": f"{batch_groups} : i64",
+        "dimension_numbers": numbers,
+        "feature_group_count": f"{feature_groups} : i64",
+        "lhs_dilation": i64_array(lhs_dilation),
+        "padding": "dense<[" + ", ".join(f"[{lo}, {hi}]" for lo, hi in padding) + f"]> : tensor<{len(padding)}x2xi64>",
+        "rhs_dilation": i64_array(rhs_dilation),
+        "window_strides": i64_array(strides),
+    }
+    acc = TensorSpec(out.shape, torch.float32 if out.dtype in (torch.float16, torch.bfloat16) else out.dtype)
+    return b.convert(b.op("stablehlo.convolution", [lhs, rhs], acc, attrs), out.dtype)  # type: ignore[arg-type]
+
+
+def _expand(values: Sequence[int], n: int) -> list[int]:
+    return list(values) * n if len(values) == 1 else list(values)
+
+
+def _add_bias(b: FunctionBuilder, y: Value, bias: Value | None) -> Value:
+    if bias is None:
+        return y
+    return b.binary("add", y, b.broadcast_in_dim(b.convert(bias, y.dtype), y.shape, [1]))
+
+
+def _transposed_conv(
+    b: FunctionBuilder, x: Value, weight: Value, out: TensorSpec, stride: list[int], padding: list[int],
+    dilation: list[int], groups: int,
+) -> Value:
+    """The transposed convolution of `x` (N, Cin, ...) with `weight` (Cin, Cout/G, k...) whose
+    output has shape `out` (the output padding is whatever makes that size)."""
+    spatial = x.rank - 2
+    kernel = weight.shape[2:]
+    cin, cout_g = weight.shape[0], weight.shape[1]
+    if groups > 1:
+        # (G*Cin_g, Cout_g, k) -> (Cin_g, G*Cout_g, k): output features must be grouped contiguously.
+        cin_g = cin // groups
+        w = b.reshape(weight, (groups, cin_g, cout_g, *kernel))
+        w = b.transpose(w, [1, 0, 2, *range(3, 3 + spatial)])
+        weight = b.reshape(w, (cin_g, groups * cout_g, *kernel))
+    weight = b.reverse(weight, list(range(2, 2 + spatial)))
+    pads = []
+    for i in range(spatial):
+        low = dilation[i] * (kernel[i] - 1) - padding[i]
+        natural = (x.shape[2 + i] - 1) * stride[i] - 2 * padding[i] + dilation[i] * (kernel[i] - 1) + 1
+        pads.append((low, low + out.shape[2 + i] - natural))
+    return _conv(
+        b, x, weight, out, numbers=_conv_numbers("b, f", "i, o", "b, f", spatial), strides=[1] * spatial,
+        padding=pads, lhs_dilation=stride, rhs_dilation=dilation, feature_groups=groups,
+    )
+
+
+@lowering(aten.convolution.default)
+def _convolution(
+    ctx: LoweringContext, x: Value, weight: Value, bias: Value | None, stride: Sequence[int],
+    padding: Sequence[int], dilation: Sequence[int], transposed: bool, output_padding: Sequence[int],
+    groups: int,
+) -> Value:
+    b = ctx.builder
+    spatial = x.rank - 2
+    stride, padding, dilation = _expand(stride, spatial), _expand(padding, spatial), _expand(dilation, spatial)
+    if transposed:
+        y = _transposed_conv(b, x, weight, ctx.out_spec, stride, padding, dilation, groups)
+    else:
+        y = _conv(
+            b, x, weight, ctx.out_spec, numbers=_conv_numbers("b, f", "o, i", "b, f", spatial), strides=stride,
+            padding=[(p, p) for p in padding], lhs_dilation=[1] * spatial, rhs_dilation=dilation,
+            feature_groups=groups,
+        )
+    return _add_bias(b, y, bias)
+
+
+@lowering(aten.convolution_backward.default)
+def _convolution_backward(
+    ctx: LoweringContext, grad: Value, x: Value, weight: Value, bias_sizes: Sequence[int] | None,
+    stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], transposed: bool,
+    output_padding: Sequence[int], groups: int, output_mask: Sequence[bool],
+) -> tuple[Value | None, Value | None, Value | None]:
+    b = ctx.builder
+    spatial = x.rank - 2
+    stride, padding, dilation = _expand(stride, spatial), _expand(padding, spatial), _expand(dilation, spatial)
+    grad_input = grad_weight = grad_bias = None
+    if output_mask[0]:
+        grad_input = _transposed_conv(b, grad, weight, ctx.out[0], stride, padding, dilation, groups)
+    if output_mask[1]:
+        kernel = weight.shape[2:]
+        lhs, pads = x, []
+        for i in range(spatial):
+            used = (kernel[i] - 1) * dilation[i] + (grad.shape[2 + i] - 1) * stride[i] + 1
+            high = used - x.shape[2 + i] - padding[i]
+            if high < 0:  # trailing input rows the forward pass never read: crop instead of padding
+                limits = list(lhs.shape)
+                limits[2 + i] += high
+                lhs = b.slice(lhs, [0] * lhs.rank, limits, [1] * lhs.rank)
+                high = 0
+            pads.append((padding[i], high))
+        # Input as (feature=N, batch=C), gradient as kernel (in=N, out=O): the result is (O, C/G, k...).
+        grad_weight = _conv(
+            b, lhs, grad, ctx.out[1], numbers=_conv_numbers("f, b", "i, o", "f, b", spatial), strides=dilation,
+            padding=pads, lhs_dilation=[1] * spatial, rhs_dilation=stride, batch_groups=groups,
+        )
+    if output_mask[2]:
+        dims = [d for d in range(grad.rank) if d != 1]
+        grad_bias = reduce_sum(b, grad, dims, ctx.out[2].dtype)
+    return grad_input, grad_weight, grad_bias
+
+
+@support_check(aten.convolution_backward.default)
+def _conv_backward_check(node: torch.fx.Node) -> str | None:
+    if node.args[7]:
+        return "backward of a transposed convolution"
+    return None
+
+
+# ---- pooling ------------------------------------------------------------------------------------
+def _pool_params(x: Value, kernel: Sequence[int], stride: Sequence[int], padding: Sequence[int] | int, dilation: Sequence[int] | int = 1) -> tuple[list[int], list[int], list[int], list[int]]:
+    kernel = _expand(kernel, 2)
+    stride = _expand(stride, 2) if stride else kernel
+    padding = _expand([padding] if isinstance(padding, int) else padding, 2)
+    dilation = _expand([dilation] if isinstance(dilation, int) else dilation, 2)
+    return kernel, stride, padding, dilation
+
+
+def _lowest(dtype: torch.dtype) -> float | int:
+    return -math.inf if dtype.is_floating_point else torch.iinfo(dtype).min
+
+
+@lowering(aten.max_pool2d_with_indices.default)
+def _max_pool2d_with_indices(
+    ctx: LoweringContext, x: Value, kernel_size: Sequence[int], stride: Sequence[int] = (),
+    padding: Sequence[int] = (0,), dilation: Sequence[int] = (1,), ceil_mode: bool = False,
+) -> tuple[Value, Value]:
+    """Max over each window as a chain of strided slices (k*k elementwise steps that fuse well); the
+    index is the flat position in the unpadded H*W plane, as torch returns it."""
+    b = ctx.builder
+    kernel, stride, padding, dilation = _pool_params(x, kernel_size, stride, padding, dilation)
+    out = ctx.out[0]
+    oh, ow = out.shape[-2:]
+    h, w = x.shape[-2:]
+    lead = x.rank - 2
+    low, high = [0] * x.rank, [0] * x.rank
+    for i, size in enumerate((h, w)):
+        needed = (out.shape[lead + i] - 1) * stride[i] + (kernel[i] - 1) * dilation[i] + 1
+        low[lead + i], high[lead + i] = padding[i], max(0, needed - size - padding[i])
+    padded = b.pad(x, b.constant(_lowest(x.dtype), x.dtype), low, high, [0] * x.rank)
+    rows = b.iota(out.shape, lead, torch.int64)
+    cols = b.iota(out.shape, lead + 1, torch.int64)
+    best = index = None
+    for i in range(kernel[0]):
+        for j in range(kernel[1]):
+            starts = [0] * x.rank
+            starts[lead], starts[lead + 1] = i * dilation[0], j * dilation[1]
+            limits = list(padded.shape)
+            limits[lead] = starts[lead] + (oh - 1) * stride[0] + 1
+            limits[lead + 1] = starts[lead + 1] + (ow - 1) * stride[1] + 1
+            strides = [1] * x.rank
+            strides[lead], strides[lead + 1] = stride[0], stride[1]
+            candidate = b.slice(padded, starts, limits, strides)
+            r = b.binary("add", b.binary("multiply", rows, b.full(out.shape, stride[0], torch.int64)), b.full(out.shape, i * dilation[0] - padding[0], torch.int64))
+            c = b.binary("add", b.binary("multiply", cols, b.full(out.shape, stride[1], torch.int64)), b.full(out.shape, j * dilation[1] - padding[1], torch.int64))
+            flat = b.binary("add", b.binary("multiply", r, b.full(out.shape, w, torch.int64)), c)
+            if best is None:
+                best, index = candidate, flat
+                continue
+            take = b.compare("GT", candidate, best)
+            if x.dtype.is_floating_point:  # torch: a NaN always takes over
+                take = b.binary("or", take, b.compare("NE", candidate, candidate))
+            best, index = b.select(take, candidate, best), b.select(take, flat, index)
+    return best, index  # type: ignore[return-value]
+
+
+@lowering(aten.max_pool2d_with_indices_backward.default)
+def _max_pool2d_backward(
+    ctx: LoweringContext, grad: Value, x: Value, kernel_size: Sequence[int], stride: Sequence[int],
+    padding: Sequence[int], dilation: Sequence[int], ceil_mode: bool, indices: Value,
+) -> Value:
+    b = ctx.builder
+    lead = x.shape[:-2]
+    plane = x.shape[-2] * x.shape[-1]
+    zeros = b.full((*lead, plane), 0, x.dtype)
+    flat_grad = b.reshape(grad, (*lead, grad.shape[-2] * grad.shape[-1]))
+    flat_index = b.reshape(indices, (*lead, indices.shape[-2] * indices.shape[-1]))
+    summed = scatter(b, zeros, len(lead), flat_index, flat_grad, lambda b_, u, v: b_.binary("add", u, v))
+    return b.reshape(summed, x.shape)
+
+
+@lowering(aten.avg_pool2d.default)
+def _avg_pool2d(
+    ctx: LoweringContext, x: Value, kernel_size: Sequence[int], stride: Sequence[int] = (),
+    padding: Sequence[int] = (0,), ceil_mode: bool = False, count_include_pad: bool = True,
+    divisor_override: int | None = None,
+) -> Value:
+    b = ctx.builder
+    kernel, stride, padding, _ = _pool_params(x, kernel_size, stride, padding)
+    lead = x.rank - 2
+    acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    xs = b.convert(x, acc)
+    window = [1] * lead + kernel
+    strides = [1] * lead + stride
+    pads = [(0, 0)] * lead + [(p, p) for p in padding]
+    add = lambda u, v: [b.binary("add", u, v)]  # noqa: E731
+    total = b.reduce_window(xs, b.constant(0, acc), window, strides, pads, add)
+    if divisor_override:
+        count = b.full(total.shape, divisor_override, acc)
+    elif count_include_pad:
+        count = b.full(total.shape, kernel[0] * kernel[1], acc)
+    else:
+        ones = b.full(x.shape, 1, acc)
+        count = b.reduce_window(ones, b.constant(0, acc), window, strides, pads, add)
+    return b.convert(b.binary("divide", total, count), ctx.out_dtype)
+
+
+@support_check(aten.avg_pool2d.default)
+def _avg_pool_check(node: torch.fx.Node) -> str | None:
+    args = list(node.args) + [None] * 7
+    if args[4]:
+        return "avg_pool2d with ceil_mode"
+    return None
