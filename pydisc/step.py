@@ -9,6 +9,7 @@ step's results exist, so a failure never leaves them half-updated.
 from __future__ import annotations
 
 import os
+import threading
 import time
 import warnings
 from collections import Counter
@@ -94,6 +95,26 @@ def _dump(name: str, text: str) -> str | None:
 
 
 def _build_plan(program: Program, inputs: list[torch.Tensor], device: torch.device) -> StepPlan:
+    """Plan in a fresh thread: a read such as `.item()` reaches us from inside `__torch_dispatch__`,
+    where the dispatcher's thread-local state (autograd, functionalization excluded) would break
+    make_fx. A new thread starts with clean dispatch state and default grad mode."""
+    result: list = []
+
+    def work():
+        try:
+            result.append(_build_plan_here(program, inputs, device))
+        except BaseException as exc:   # re-raised in the caller's thread
+            result.append(exc)
+
+    worker = threading.Thread(target=work, name="pydisc-plan")
+    worker.start()
+    worker.join()
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
+
+
+def _build_plan_here(program: Program, inputs: list[torch.Tensor], device: torch.device) -> StepPlan:
     from .cluster import partition_graph
     from .frontend.decompositions import DECOMPOSITIONS
     from .frontend.emit import emit_cluster, unsupported_reason
@@ -149,38 +170,35 @@ def _build_plan(program: Program, inputs: list[torch.Tensor], device: torch.devi
 # ------------------------------------------------------------------------------------------------
 
 def _needed_entries(trace: Trace, storage: LazyStorage) -> list[int]:
-    """Entries that the data of `storage` depends on, plus earlier readers of anything they write
-    (running a write before a pending read of the old value would change that read)."""
-    n = len(trace.entries)
-    produced = []
-    for e in trace.entries:
-        produced.append({id(trace.storages[v]) for v in e.out_vids} | {id(s) for s in e.writes})
-    needed = {id(storage)}
-    include = [False] * n
-    changed = True
-    while changed:
-        changed = False
+    """Entries that the current data of `storage` depends on, in program order.
+
+    One backward pass tracks which storages' state is still needed at each point. An entry left out
+    that touches a storage which a kept entry later writes (it would read the new value, or overwrite
+    it, when run afterwards) is forced in, and the pass repeats until nothing changes.
+    """
+    entries = trace.entries
+    n = len(entries)
+    produced = [{id(trace.storages[v]) for v in e.out_vids} | {id(s) for s in e.writes} for e in entries]
+    reads = [{id(s) for s in e.reads} for e in entries]
+    writes = [{id(s) for s in e.writes} for e in entries]
+    forced: set[int] = set()
+    while True:
+        needed = {id(storage)}
+        include = [False] * n
         for i in range(n - 1, -1, -1):
-            if not include[i] and produced[i] & needed:
+            if i in forced or produced[i] & needed:
                 include[i] = True
-                changed = True
-                needed |= {id(s) for s in trace.entries[i].reads}
-        written = set()
-        for i in range(n):
+                needed |= reads[i]
+        later_writes: set[int] = set()
+        new_forced = set()
+        for i in range(n - 1, -1, -1):
             if include[i]:
-                written |= {id(s) for s in trace.entries[i].writes}
-        for i in range(n):
-            if not include[i] and written and {id(s) for s in trace.entries[i].reads} & written:
-                # only a hazard if the reader comes before a write it must not see
-                later_writes = set()
-                for j in range(i + 1, n):
-                    if include[j]:
-                        later_writes |= {id(s) for s in trace.entries[j].writes}
-                if {id(s) for s in trace.entries[i].reads} & later_writes:
-                    include[i] = True
-                    changed = True
-                    needed |= produced[i] | {id(s) for s in trace.entries[i].reads}
-    return [i for i in range(n) if include[i]]
+                later_writes |= writes[i]
+            elif (reads[i] | writes[i]) & later_writes:
+                new_forced.add(i)
+        if not new_forced:
+            return [i for i in range(n) if include[i]]
+        forced |= new_forced
 
 
 def _select_outputs(trace: Trace, executed: list[int], remaining: list[int]) -> tuple:

@@ -293,6 +293,8 @@ class Recorder:
         def unwrap(a):
             if isinstance(a, LazyTensor):
                 return materialize(a, reason=str(func))
+            if isinstance(a, LiftedScalar):
+                return torch.tensor(a.value, dtype=torch.float32)
             if isinstance(a, (list, tuple)):
                 return type(a)(unwrap(x) for x in a)
             return a
@@ -386,8 +388,8 @@ class Recorder:
                     base = torch.empty((a._storage.nbytes // a.element_size(),), dtype=a.dtype, device="meta")
                     return base.as_strided(tuple(a.shape), a.stride(), a.storage_offset())
                 return torch.empty_strided(tuple(a.shape), a.stride(), dtype=a.dtype, device="meta")
-            if isinstance(a, LiftedScalar):
-                return a.value
+            if isinstance(a, LiftedScalar):   # a 0-d float32 tensor at run time
+                return torch.empty((), dtype=torch.float32, device="meta")
             if isinstance(a, (list, tuple)):
                 return type(a)(to_meta(x) for x in a)
             if isinstance(a, torch.device):
@@ -479,6 +481,9 @@ def _device_of(args, kwargs) -> torch.device:
                     return x.device
     for a in kwargs.values():
         if isinstance(a, LazyTensor):
+            return a.device
+    for a in args:      # rewrites record ops on eager operands of a lazy computation
+        if isinstance(a, torch.Tensor):
             return a.device
     raise RuntimeError("pydisc: an op reached the lazy dispatcher without a lazy tensor argument")
 

@@ -42,7 +42,8 @@ def _alpha(tensor_op):
     """`add(a, b, alpha=s)` -> `add(a, mul(b, lifted))`."""
     def rewrite(func, args, kwargs):
         alpha = kwargs.get("alpha", 1)
-        if len(args) != 2 or alpha == 1 or not isinstance(args[1], LazyTensor) or not _liftable(args[0], alpha):
+        if len(args) != 2 or alpha == 1 or not isinstance(args[1], torch.Tensor) or not _liftable(args[0], alpha) \
+                or args[1].dtype != args[0].dtype or args[1].device != args[0].device:
             return NotImplemented
         scaled = _record(aten.mul.Tensor, args[1], LiftedScalar(alpha))
         return _record(tensor_op, args[0], scaled)

@@ -1,0 +1,174 @@
+"""Recording semantics of the lazy tensor, checked against eager PyTorch."""
+import io
+import threading
+
+import pytest
+import torch
+
+import pydisc
+from pydisc.frontend.lazy_tensor import RECORDER
+
+
+def lazy(t):
+    return pydisc.to_lazy(t.clone())
+
+
+def assert_same(lazy_t, eager_t):
+    assert pydisc.is_lazy(lazy_t)
+    torch.testing.assert_close(lazy_t.cpu(), eager_t, rtol=1e-6, atol=1e-6)
+
+
+def test_ops_are_recorded_not_run():
+    pydisc.mark_step()
+    x = lazy(torch.randn(4, 4))
+    before = len(RECORDER.trace)
+    y = (x * 2).relu().sum(0)
+    assert len(RECORDER.trace) == before + 3
+    assert y.shape == (4,) and y.dtype == torch.float32 and pydisc.is_lazy(y)
+    pydisc.mark_step()
+    assert len(RECORDER.trace) == 0
+    assert_same(y, (x.cpu() * 2).relu().sum(0))
+
+
+def test_mark_step_with_nothing_pending_is_a_noop():
+    pydisc.mark_step()
+    m = pydisc.metrics()
+    pydisc.mark_step()
+    assert pydisc.metrics()["steps"] == m["steps"]
+
+
+def test_inplace_on_views_updates_base_and_other_views():
+    x = torch.randn(4, 6)
+    lx = lazy(x)
+    for t in (x, lx):
+        v = t[1:3]
+        v.mul_(2)
+        t.t()[0].add_(1)
+        t.view(-1)[5] = 7.0
+    pydisc.mark_step()
+    assert_same(lx, x)
+    assert_same(lx[1:3], x[1:3])
+
+
+def test_views_of_materialized_tensor_see_later_writes():
+    x = torch.randn(3, 3)
+    lx = lazy(x)
+    lrow, row = lx[0], x[0]
+    pydisc.mark_step()
+    lx.add_(1.5)
+    x.add_(1.5)
+    pydisc.mark_step()
+    assert_same(lrow, row)
+
+
+def test_reading_a_value_runs_only_what_it_needs():
+    a = lazy(torch.ones(3))
+    b = a * 2
+    c = a + 1
+    a.add_(5)           # must not be seen by b or c
+    pydisc.reset_metrics()
+    assert b.sum().item() == 6.0
+    assert pydisc.metrics()["materializations"] == 1
+    assert len(RECORDER.trace) > 0          # the rest is still pending
+    assert_same(c, torch.full((3,), 2.0))
+    assert_same(a, torch.full((3,), 6.0))
+    pydisc.mark_step()
+    assert len(RECORDER.trace) == 0
+
+
+def test_reading_a_clean_value_counts_nothing():
+    a = lazy(torch.arange(4.0))
+    pydisc.mark_step()
+    pydisc.reset_metrics()
+    assert a.tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert float(a[1]) == 1.0
+    assert pydisc.metrics()["materializations"] == 0
+
+
+def test_reads_print_numpy_bool():
+    a = lazy(torch.tensor([1.0, -2.0]))
+    b = a.abs() * 3
+    assert "6." in repr(b)
+    assert (b.numpy() == [3.0, 6.0]).all()
+    assert bool((b > 5).any())
+    assert b.cpu().tolist() == [3.0, 6.0] and not pydisc.is_lazy(b.cpu())
+
+
+def test_mixing_eager_tensors():
+    x = torch.randn(5)
+    mask = torch.tensor([True, False, True, True, False])
+    lx = lazy(x)
+    out = torch.where(mask, lx * 2, torch.zeros(5)) + torch.ones(5)
+    pydisc.mark_step()
+    assert_same(out, torch.where(mask, x * 2, torch.zeros(5)) + 1)
+
+
+def test_eager_tensor_modified_after_capture_is_refused():
+    x = torch.ones(3)
+    lx = lazy(torch.ones(3))
+    y = lx + x
+    x.add_(1)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        pydisc.mark_step()
+    # the graph was not run: the tensor is still readable after a new step
+    from pydisc.frontend.lazy_tensor import RECORDER as R
+    R.new_trace()
+    assert_same(lx, torch.ones(3))
+    del y
+
+
+def test_data_dependent_ops_fall_back_and_are_counted():
+    pydisc.reset_metrics()
+    x = lazy(torch.tensor([0.0, 1.0, 0.0, 2.0]))
+    idx = torch.nonzero(x * 3)
+    assert pydisc.metrics()["fallback_ops"].get("aten.nonzero.default") == 1
+    assert idx.cpu().tolist() == [[1], [3]]
+
+
+def test_scalars_are_lifted_so_changing_values_reuse_the_plan():
+    x = lazy(torch.ones(8))
+    pydisc.mark_step()
+    pydisc.reset_metrics()
+    for lr in (0.1, 0.2, 0.3, 0.4):
+        x.mul_(lr).add_(torch.ones(8), alpha=lr)
+        pydisc.mark_step()
+    m = pydisc.metrics()
+    assert m["graph_cache_misses"] == 1 and m["graph_cache_hits"] == 3
+    expected = torch.ones(8)
+    for lr in (0.1, 0.2, 0.3, 0.4):
+        expected = expected * lr + lr
+    assert_same(x, expected)
+
+
+def test_save_load_and_deepcopy():
+    import copy
+    p = torch.nn.Parameter(lazy(torch.randn(3)))
+    q = p.detach() * 2
+    buf = io.BytesIO()
+    torch.save({"q": q}, buf)
+    buf.seek(0)
+    loaded = torch.load(buf)["q"]
+    assert not pydisc.is_lazy(loaded)
+    torch.testing.assert_close(loaded, q.cpu())
+    c = copy.deepcopy(p)
+    assert isinstance(c, torch.nn.Parameter) and pydisc.is_lazy(c)
+    torch.testing.assert_close(c.cpu(), p.cpu())
+
+
+def test_other_thread_in_same_step_is_refused():
+    x = lazy(torch.ones(2))
+    y = x + 1
+    errors = []
+
+    def other():
+        try:
+            x * 3
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert errors and "two threads" in errors[0]
+    pydisc.mark_step()
+    assert_same(y, torch.full((2,), 2.0))
