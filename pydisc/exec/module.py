@@ -14,18 +14,20 @@ from torch.utils.dlpack import to_dlpack
 
 from ..metrics import METRICS
 from .errors import CompileError, ExecutionError
-from .session import DeviceSession, vm_instance
+from .session import DeviceSession, cuda_context, vm_instance
 from .tensors import StagedOutput, dense_copy, is_dense
 
 __all__ = ["CompiledModule"]
 
 _ENTRY = "main"
+_get_device = torch._C._cuda_getDevice if torch.cuda.is_available() else None  # ~0.1 us, no Python wrapper
+_set_device = torch._C._cuda_setDevice if torch.cuda.is_available() else None
 
 
 class CompiledModule:
     """A `.vmfb` loaded for one device. `run(inputs, outputs)` calls its `main` function."""
 
-    __slots__ = ("name", "device", "vmfb", "_session", "_context", "_function", "_import", "staged_outputs")
+    __slots__ = ("name", "device", "vmfb", "_session", "_context", "_function", "_import", "_cuda_index", "staged_outputs")
 
     def __init__(self, vmfb: bytes, session: DeviceSession, name: str) -> None:
         instance = vm_instance()
@@ -40,7 +42,9 @@ class CompiledModule:
         self.device = session.device
         self.vmfb = vmfb
         self._session = session
-        self._context = ireert.VmContext(instance, modules=[session.hal_module, vm_module])
+        self._cuda_index = session.device.index if session.is_cuda else None
+        with cuda_context(session.device):  # executables are loaded into the current CUDA context
+            self._context = ireert.VmContext(instance, modules=[session.hal_module, vm_module])
         self._function = function
         self._import = session.hal_device.from_dlpack_capsule
         # Set on the first call that finds IREE cannot write an imported output in place (a result that
@@ -52,11 +56,18 @@ class CompiledModule:
 
     def run(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
         """Run `main(*inputs, *outputs)`; IREE writes result N into outputs[N]. Inputs are never written."""
+        cuda_index = self._cuda_index
+        if cuda_index is not None:
+            # IREE's CUDA driver switches the thread's current context (to the last device it used) and
+            # launches in whatever context is current: select ours, and give torch back its device after.
+            previous = _get_device()
+            if previous != cuda_index:
+                _set_device(cuda_index)
         try:
-            if self._session.is_cuda:
+            if cuda_index is not None:
                 # IREE runs on its own stream and cannot wait on torch's: finish torch's pending writes
                 # (inputs) and reads (the memory handed out as outputs) first.
-                torch.cuda.current_stream(self.device).synchronize()
+                torch.cuda.current_stream(cuda_index).synchronize()
             try:
                 self._invoke(inputs, outputs)
             except Exception as e:
@@ -66,6 +77,9 @@ class CompiledModule:
                 self._invoke(inputs, outputs)  # safe to repeat: inputs are read-only, outputs overwritten
         except Exception as e:  # IREE raises RuntimeError or ValueError; torch may raise too
             raise self._execution_error(e, inputs, outputs) from e
+        finally:
+            if cuda_index is not None and _get_device() != previous:
+                _set_device(previous)
         METRICS.executions += 1
 
     def _invoke(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:

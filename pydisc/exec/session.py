@@ -5,7 +5,9 @@ uses), so tensors imported from torch are directly addressable by IREE's kernels
 """
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import iree.runtime as ireert
@@ -13,7 +15,7 @@ import torch
 
 from .target import target_for
 
-__all__ = ["DeviceSession", "session_for", "vm_instance"]
+__all__ = ["DeviceSession", "session_for", "vm_instance", "cuda_context"]
 
 _LOCK = threading.Lock()
 _INSTANCE: ireert.VmInstance | None = None
@@ -46,6 +48,25 @@ def vm_instance() -> ireert.VmInstance:
         if _INSTANCE is None:
             _INSTANCE = ireert.VmInstance()
         return _INSTANCE
+
+
+@contextlib.contextmanager
+def cuda_context(device: torch.device) -> Iterator[None]:
+    """Make `device`'s primary context current for IREE work, then restore torch's current device.
+
+    IREE's CUDA driver loads executables and launches kernels in the thread's current context and
+    leaves the last one it used current; without this, cuda:0 work after cuda:1 work fails with
+    CUDA_ERROR_INVALID_HANDLE and torch's notion of the current device silently changes.
+    """
+    if device.type != "cuda":
+        yield
+        return
+    previous = torch.cuda.current_device()
+    torch.cuda.set_device(device.index)
+    try:
+        yield
+    finally:
+        torch.cuda.set_device(previous)
 
 
 def _normalize(device: torch.device | str) -> torch.device:
@@ -92,7 +113,8 @@ def session_for(device: torch.device | str) -> DeviceSession:
     with _LOCK:
         session = _SESSIONS.get(device)
         if session is None:
-            hal_device = _create_hal_device(device)
+            with cuda_context(device):
+                hal_device = _create_hal_device(device)
             session = DeviceSession(
                 device=device,
                 hal_device=hal_device,
