@@ -50,8 +50,6 @@ _EXTRA: list[OpOverload | OpOverloadPacket] = [
     aten.unsqueeze,
     aten.expand,
     aten.repeat,
-    aten.maximum,
-    aten.trunc,
     aten.linalg_vector_norm,
     aten.native_dropout_backward,
     aten._adaptive_avg_pool2d,

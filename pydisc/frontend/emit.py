@@ -45,8 +45,28 @@ def _dtype_reason(val: object) -> str | None:
     return None
 
 
+# Constants captured by tracing (torch.tensor(...) in user code) are inlined into the MLIR text.
+_MAX_CONSTANT_ELEMENTS = 1024
+
+
+def _constant(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.Tensor:
+    value = gm
+    for part in str(node.target).split("."):
+        value = getattr(value, part)
+    if not isinstance(value, torch.Tensor) or value.dtype not in ELEMENT_TYPES:
+        raise LoweringError("get_attr", f"{node.target} is not a supported tensor constant")
+    if value.numel() > _MAX_CONSTANT_ELEMENTS:
+        raise LoweringError("get_attr", f"constant {node.target} is too large to inline ({value.numel()} elements)")
+    return value.detach().cpu()
+
+
 def unsupported_reason(node: torch.fx.Node) -> str | None:
     """None if `emit_cluster` can lower `node`, else a short reason (a pure predicate)."""
+    if node.op == "get_attr":
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.numel() > _MAX_CONSTANT_ELEMENTS:
+            return "constant too large to inline"
+        return _dtype_reason(val)
     if node.op in ("placeholder", "output"):
         return _dtype_reason(node.meta.get("val")) if node.op == "placeholder" else None
     if node.op != "call_function":
@@ -117,6 +137,9 @@ def emit_cluster(gm: torch.fx.GraphModule, *, func_name: str = "main") -> Emitte
             env[node] = _lower_node(builder, node, env)
             if node.target is not operator.getitem:
                 ops.append(str(node.target))
+        elif node.op == "get_attr":
+            constant = _constant(gm, node)
+            env[node] = builder.literal(constant)
         elif node.op == "output":
             outs = node.args[0] if isinstance(node.args[0], (list, tuple)) else (node.args[0],)
             for out in outs:

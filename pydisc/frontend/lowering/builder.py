@@ -230,6 +230,18 @@ class FunctionBuilder:
         self.line(f"{out.name} = stablehlo.constant dense<{_literal(value, dtype)}> : {out.type}")
         return out
 
+    def literal(self, tensor: torch.Tensor) -> Value:
+        """A constant holding `tensor`'s values (meant for small tensors captured at trace time)."""
+        out = self.fresh(TensorSpec(tuple(tensor.shape), tensor.dtype))
+
+        def spell(values: object) -> str:
+            if isinstance(values, list):
+                return "[" + ", ".join(spell(v) for v in values) + "]"
+            return _literal(values, tensor.dtype)  # type: ignore[arg-type]
+
+        self.line(f"{out.name} = stablehlo.constant dense<{spell(tensor.tolist())}> : {out.type}")
+        return out
+
     def full(self, shape: Sequence[int], value: float | int | bool, dtype: torch.dtype) -> Value:
         # Static shapes take a splat constant; a dynamic shape will broadcast a 0-d constant here.
         out = self.fresh(TensorSpec(tuple(shape), dtype))
@@ -273,6 +285,9 @@ class FunctionBuilder:
         if x.dtype == torch.bool:
             # i1 -> integer may sign-extend to -1 in some lowerings: select is unambiguous.
             return self.select(x, self.full(x.shape, 1, dtype), self.full(x.shape, 0, dtype))
+        if x.dtype.is_floating_point and dtype in (torch.uint8, torch.int8, torch.int16):
+            # torch (on x86) converts through a wide integer, so out-of-range values wrap around.
+            x = self.unary("convert", x, x.type.with_dtype(torch.int64))
         return self.unary("convert", x, x.type.with_dtype(dtype))
 
     def iota(self, shape: Sequence[int], dim: int, dtype: torch.dtype) -> Value:

@@ -14,7 +14,7 @@ import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
 from pydisc.frontend.lowering.builder import FunctionBuilder, Value
-from pydisc.frontend.lowering.registry import LoweringContext, lowering
+from pydisc.frontend.lowering.registry import LoweringContext, lowering, support_check
 
 __all__ = ["as_operand", "compute_dtype", "promoted_dtype"]
 
@@ -91,7 +91,7 @@ def _isnan(b: FunctionBuilder, x: Value) -> Value:
 
 _UNARY: dict[object, Emit] = {
     aten.neg.default: _unary("negate"),
-    aten.abs.default: _unary("abs"),
+    aten.abs.default: lambda b, x: x if x.dtype in (torch.uint8, torch.bool) else b.unary("abs", x),
     aten.exp.default: _unary("exponential"),
     aten.expm1.default: _unary("exponential_minus_one"),
     aten.log.default: _unary("log"),
@@ -116,6 +116,13 @@ for _op, _emit in _UNARY.items():
     lowering(_op)(partial(_arith, emit=_emit))
 
 
+def _trunc_emit(b: FunctionBuilder, x: Value) -> Value:
+    return _trunc(b, x) if x.dtype.is_floating_point else x
+
+
+lowering(aten.trunc.default, prims.trunc.default)(partial(_arith, emit=_trunc_emit))
+
+
 def _log2(b: FunctionBuilder, x: Value) -> Value:
     return b.binary("divide", b.unary("log", x), b.full(x.shape, 0.6931471805599453, x.dtype))
 
@@ -137,6 +144,8 @@ _BINARY: dict[object, Emit] = {
     aten.mul.Scalar: _binary("multiply"),
     aten.maximum.default: _binary("maximum"),
     aten.minimum.default: _binary("minimum"),
+    prims.maximum.default: _binary("maximum"),
+    prims.minimum.default: _binary("minimum"),
     aten.bitwise_and.Tensor: _binary("and"),
     aten.bitwise_and.Scalar: _binary("and"),
     aten.bitwise_or.Tensor: _binary("or"),
@@ -168,6 +177,8 @@ def _add_sub(ctx: LoweringContext, x: Value | Scalar, y: Value | Scalar, alpha: 
         return _arith(ctx, y, x, emit=emit)
 
     def emit(b: FunctionBuilder, x_: Value, y_: Value) -> Value:
+        if x_.dtype == torch.bool:  # bool + bool saturates to True in torch; i1 addition would wrap
+            return b.binary("or", x_, y_)
         scaled = y_ if alpha == 1 else b.binary("multiply", y_, b.full(y_.shape, alpha, y_.dtype))
         return b.binary(name, x_, scaled)
 
@@ -308,3 +319,22 @@ def _isinf(ctx: LoweringContext, x: Value) -> Value:
     if not x.dtype.is_floating_point:
         return b.full(x.shape, False, torch.bool)
     return b.compare("EQ", b.unary("abs", x), b.full(x.shape, float("inf"), x.dtype))
+
+
+# IREE's llvm-cpu backend links no float64 fmod/tanh/sin/cos/tan/atan2 (checked with IREE 3.13:
+# "iree-lld: undefined symbol"), so these stay eager in float64.
+_NO_F64 = (
+    aten.remainder.Tensor, aten.remainder.Scalar, aten.fmod.Tensor, aten.fmod.Scalar, aten.tanh.default,
+    aten.sin.default, aten.cos.default, aten.tan.default, aten.atan2.default, aten.floor_divide.default,
+    aten.div.Tensor_mode, aten.div.Scalar_mode,
+)
+
+
+@support_check(*_NO_F64)
+def _float64_libm(node: torch.fx.Node) -> str | None:
+    if node.target in (aten.div.Tensor_mode, aten.div.Scalar_mode) and node.kwargs.get("rounding_mode") != "floor":
+        return None
+    vals = [node.meta["val"], *(n.meta["val"] for n in node.all_input_nodes)]
+    if any(v.dtype == torch.float64 for v in vals):
+        return f"{node.target} in float64 (IREE's CPU backend has no float64 implementation)"
+    return None

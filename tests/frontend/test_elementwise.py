@@ -1,0 +1,95 @@
+"""Elementwise rules against eager torch: many ops per compiled function to keep IREE compiles few."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import check
+
+FLOATS = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+INTS = [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8]
+
+
+def _float_ops(x: torch.Tensor, y: torch.Tensor, p: torch.Tensor) -> list[torch.Tensor]:
+    out = [] if x.dtype == torch.float64 else [  # IREE's CPU backend lacks these in f64 (see elementwise.py)
+        torch.div(x, y, rounding_mode="floor"), x // y, torch.remainder(x, y), torch.fmod(x, y), x.tanh(),
+        x.sin(), x.cos(), torch.nn.functional.gelu(x, approximate="tanh"),
+    ]
+    return out + [
+        x + y, x - 2.5 * y, torch.add(x, y, alpha=3), torch.sub(x, y, alpha=0.5), x * y, x / y, -x, x.abs(),
+        torch.div(x, y, rounding_mode="trunc"), 1 - x, 2 / y, x * 3,
+        p.exp(), p.log(), p.log1p(), x.expm1(), p.sqrt(), p.rsqrt(), x.sigmoid(), x.relu(),
+        torch.erf(x), x.floor(), x.ceil(), (x * 3).round(), x.sign(), x.reciprocal(),
+        torch.maximum(x, y), torch.minimum(x, y), x.clamp(-0.5, 0.5), x.clamp(min=0.1), x.clamp(max=y),
+        torch.where(x > y, x, y), torch.where(x > 0, x, 0.0), p.pow(y), p ** 2, p ** 0.5, x.pow(3),
+        x == y, x != y, x < y, x <= 0.5, x > y, x >= y, torch.isnan(x / x), torch.isinf(1 / x),
+        torch.nn.functional.gelu(x), torch.nn.functional.silu(x), torch.nn.functional.softplus(x),
+        torch.nn.functional.leaky_relu(x, 0.1), torch.nn.functional.hardtanh(x), torch.trunc(x * 4),
+        torch.lerp(x, y, 0.3), torch.addcmul(x, y, p, value=0.5), torch.addcdiv(x, y, p, value=2),
+        torch.log_softmax(x, dim=1), torch.softmax(x, dim=0), p.log2(), x.frac(), x.square(),
+    ]
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_float_ops(dtype: torch.dtype) -> None:
+    x = torch.randn(6, 5, dtype=dtype)
+    y = torch.randn(5, dtype=dtype) + 0.1
+    y[0] = -0.7
+    x[0, 0] = 0.0  # exercises 0/0 and 1/0
+    p = torch.rand(6, 5, dtype=dtype) + 0.05
+    tol = {torch.float16: 1e-2, torch.bfloat16: 5e-2}.get(dtype)
+    check(_float_ops, x, y, p, atol=tol, rtol=tol)
+
+
+def _int_ops(x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+    out = [
+        x + y, x - y, x * y, x * 2, x + 3, torch.div(x, y, rounding_mode="trunc"),
+        torch.div(x, y, rounding_mode="floor"), x // y, torch.remainder(x, y), torch.fmod(x, y), x / y,
+        torch.maximum(x, y), torch.minimum(x, y), x.clamp(1, 5), x == y, x < y, x >= 3, x.sign(),
+        x & y, x | y, x ^ y, x * 1.5, x.float(), torch.where(x > y, x, 7), x.abs(), x.floor(),
+    ]
+    if x.dtype != torch.uint8:
+        out += [-x, ~x]
+    return out
+
+
+@pytest.mark.parametrize("dtype", INTS)
+def test_int_ops(dtype: torch.dtype) -> None:
+    low = 0 if dtype == torch.uint8 else -9
+    x = torch.randint(low, 10, (4, 7), dtype=dtype)
+    y = torch.randint(1, 6, (7,), dtype=dtype)
+    if dtype != torch.uint8:
+        y[::2] *= -1
+    check(_int_ops, x, y)
+
+
+def test_bool_and_conversions() -> None:
+    def fn(a: torch.Tensor, b: torch.Tensor, f: torch.Tensor, i: torch.Tensor) -> list[torch.Tensor]:
+        return [
+            a & b, a | b, a ^ b, ~a, torch.logical_not(f), torch.logical_and(f, i), torch.logical_or(a, f),
+            torch.logical_xor(a, b), a.float(), a.long(), f.bool(), i.bool(), f.long(), f.int(), f.to(torch.int8),
+            (f * 100).to(torch.uint8), f.half(), f.bfloat16(), f.double(), i.to(torch.float16), a + a, a * 2,
+            a.to(torch.uint8), i.to(torch.int16), (i * 1000).to(torch.int8), a == b,
+        ]
+
+    a = torch.rand(3, 4) > 0.5
+    b = torch.rand(3, 4) > 0.5
+    f = torch.randn(3, 4) * 3
+    f[0, 0] = 0.0
+    i = torch.randint(-3, 3, (3, 4))
+    check(fn, a, b, f, i)
+
+
+def test_type_promotion_and_broadcasting() -> None:
+    def fn(h: torch.Tensor, f: torch.Tensor, i: torch.Tensor, s: torch.Tensor, d: torch.Tensor) -> list[torch.Tensor]:
+        return [
+            h + f, h * 2.5, i + 1.5, i * f, i / 2, s + h, s * i, d * f, h + s, i + True, f + d.float(),
+            torch.where(s > 0, h, i), s + 1, torch.tensor(2.0) * h, i.float() ** 2,
+        ]
+
+    h = torch.randn(2, 3, 4, dtype=torch.float16)
+    f = torch.randn(3, 1)
+    i = torch.randint(-5, 5, (4,))
+    s = torch.tensor(1.5)
+    d = torch.randn(1, 4, dtype=torch.float64)
+    check(fn, h, f, i, s, d, atol=1e-2, rtol=1e-2)
