@@ -4,7 +4,7 @@ torch tensors where they live (zero-copy through DLPack; results written into ca
 from __future__ import annotations
 
 from .compiler import clear_cache, compile_module
-from .errors import CompileError, ExecutionError, UnsupportedTensorError
+from .errors import CompileError, ExecutionError
 from .module import CompiledModule
 from .target import Target, target_for
 
@@ -14,7 +14,6 @@ __all__ = [
     "CompiledModule",
     "CompileError",
     "ExecutionError",
-    "UnsupportedTensorError",
     "Target",
     "target_for",
 ]

@@ -1,7 +1,7 @@
 """Exceptions raised by the exec layer; each message says what the caller can do next."""
 from __future__ import annotations
 
-__all__ = ["CompileError", "ExecutionError", "UnsupportedTensorError"]
+__all__ = ["CompileError", "ExecutionError"]
 
 
 class CompileError(RuntimeError):
@@ -20,6 +20,3 @@ class ExecutionError(RuntimeError):
         super().__init__(message)
         self.function = function
 
-
-class UnsupportedTensorError(ExecutionError):
-    """A tensor cannot be handed to IREE (unsupported dtype or device); run the op eagerly instead."""

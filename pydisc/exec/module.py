@@ -15,19 +15,24 @@ from torch.utils.dlpack import to_dlpack
 from ..metrics import METRICS
 from .errors import CompileError, ExecutionError
 from .session import DeviceSession, cuda_context, vm_instance
-from .tensors import StagedOutput, dense_copy, is_dense
+from .tensors import ALIGNMENT, StagedOutput, dense_copy, is_dense
 
 __all__ = ["CompiledModule"]
 
 _ENTRY = "main"
-_get_device = torch._C._cuda_getDevice if torch.cuda.is_available() else None  # ~0.1 us, no Python wrapper
-_set_device = torch._C._cuda_setDevice if torch.cuda.is_available() else None
+# torch's raw current-device calls (~0.2 us; torch.cuda.current_device adds a Python wrapper). Absent in
+# CPU-only builds, where no module has a CUDA index and they are never called.
+_get_device = getattr(torch._C, "_cuda_getDevice", None)
+_set_device = getattr(torch._C, "_cuda_setDevice", None)
 
 
 class CompiledModule:
     """A `.vmfb` loaded for one device. `run(inputs, outputs)` calls its `main` function."""
 
-    __slots__ = ("name", "device", "vmfb", "_session", "_context", "_function", "_import", "_cuda_index", "staged_outputs")
+    __slots__ = (
+        "name", "device", "vmfb", "staged_outputs",
+        "_session", "_context", "_function", "_import", "_cuda_index",
+    )
 
     def __init__(self, vmfb: bytes, session: DeviceSession, name: str) -> None:
         instance = vm_instance()
@@ -85,9 +90,12 @@ class CompiledModule:
     def _invoke(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
         imp = self._import
         args = ireert.VmVariantList(len(inputs) + len(outputs))
-        out_ptrs = {o.untyped_storage().data_ptr() for o in outputs if o.numel()} if outputs else ()
+        out_ptrs = {o.untyped_storage().data_ptr() for o in outputs if o.numel()}
         for t in inputs:
-            if not is_dense(t) or (out_ptrs and t.numel() and t.untyped_storage().data_ptr() in out_ptrs):
+            # is_dense inlined (hot path); for a dense input data_ptr is its storage's base pointer.
+            if not (t.is_contiguous() and t.storage_offset() == 0 and (ptr := t.data_ptr()) % ALIGNMENT == 0) or (
+                ptr in out_ptrs and t.numel()
+            ):
                 t = dense_copy(t)  # IREE needs dense memory, and an input must not share an output's memory
             args.push_ref(imp(to_dlpack(t)))
         copy_back: list = []
