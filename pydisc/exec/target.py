@@ -10,9 +10,12 @@ import torch
 
 __all__ = ["Target", "target_for", "CPU_DRIVER", "CPU_TARGET", "CUDA_TARGET"]
 
-# local-sync runs dispatches on the calling thread: measured 12 us per call of a tiny function against
-# 42 us for local-task, and faster on a 256x256 matmul+bias+relu+tanh too (843 vs 1344 us, 2 cores).
-# local-task only pays off for large work on many cores; change it here if that becomes the common case.
+# local-sync runs dispatches on the calling thread, local-task on a worker pool. Per CompiledModule.run
+# (tests/exec/bench_call_overhead.py):
+#   tiny add:                        local-sync 7.9 us / local-task 29 us (32 cores); 10 / 50 us (2 cores)
+#   256^2 matmul+bias+relu+tanh:     local-sync 537 us / local-task 114 us (32 cores); 564 / 1191 us (2 cores)
+# local-sync keeps the per-call cost lowest (what small clusters pay); local-task wins on big work with
+# many cores. This is the one place to change it.
 CPU_DRIVER = "local-sync"
 
 # IREE demotes f64 to f32 by default and then rejects f64 buffers at run time; keep f64 as f64.
