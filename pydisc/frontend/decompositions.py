@@ -46,7 +46,6 @@ _EXTRA: list[OpOverload | OpOverloadPacket] = [
     aten.var_mean,
     aten.var,
     aten.std,
-    aten.split_with_sizes,
     aten.unsqueeze,
     aten.expand,
     aten.repeat,

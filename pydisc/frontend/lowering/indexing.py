@@ -181,3 +181,30 @@ def _no_empty_index(node: torch.fx.Node) -> str | None:
     if node.args[2].meta["val"].numel() == 0:  # type: ignore[union-attr]
         return "empty index tensor"
     return None
+
+
+@lowering(aten.as_strided.default, aten.as_strided_copy.default)
+def _as_strided(ctx: LoweringContext, x: Value, size: Sequence[int], stride: Sequence[int], storage_offset: int | None = None) -> Value:
+    """A strided view of a contiguous tensor: gather the flat positions offset + sum(i_d * stride_d)."""
+    b = ctx.builder
+    shape = ctx.out_spec.shape
+    flat = b.reshape(x, (x.type.numel,))
+    position = b.full(shape, int(storage_offset or 0), torch.int64)
+    for d, step in enumerate(stride):
+        if shape[d] > 1:
+            term = b.binary("multiply", b.iota(shape, d, torch.int64), b.full(shape, int(step), torch.int64))
+            position = b.binary("add", position, term)
+    return _gather(
+        b, flat, b.reshape(position, (*shape, 1)), ctx.out_spec, offset_dims=[], collapsed=[0],
+        start_index_map=[0], index_vector_dim=len(shape), slice_sizes=[1],
+    )
+
+
+@support_check(aten.as_strided.default, aten.as_strided_copy.default)
+def _as_strided_check(node: torch.fx.Node) -> str | None:
+    source = node.args[0].meta["val"]  # type: ignore[union-attr]
+    if not source.is_contiguous() or source.storage_offset() != 0:
+        return "as_strided of a non-contiguous tensor"
+    if source.numel() == 0 or node.meta["val"].numel() == 0:
+        return "as_strided of an empty tensor"
+    return None

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pydisc.frontend.lowering.builder import Value
+from pydisc.frontend.lowering.builder import TensorSpec, Value
 from pydisc.frontend.lowering.elementwise import as_operand, compute_dtype
 from pydisc.frontend.lowering.registry import LoweringContext, lowering
 
@@ -99,12 +99,13 @@ def _slice(ctx: LoweringContext, x: Value, dim: int = 0, start: int | None = Non
 
 
 @lowering(aten.select.int, aten.select_copy.int)
-def _select(ctx: LoweringContext, x: Value, dim: int, index: int) -> Value:
+def _select(ctx: LoweringContext, x: Value, dim: int, index: int, spec: TensorSpec | None = None) -> Value:
     dim = normalize_dim(dim, x.rank)
     index = index + x.shape[dim] if index < 0 else index
     starts, limits = [0] * x.rank, list(x.shape)
     starts[dim], limits[dim] = index, index + 1
-    return ctx.builder.reshape(ctx.builder.slice(x, starts, limits, [1] * x.rank), ctx.out_spec.shape)
+    shape = (spec or ctx.out_spec).shape
+    return ctx.builder.reshape(ctx.builder.slice(x, starts, limits, [1] * x.rank), shape)
 
 
 @lowering(aten.cat.default)
@@ -129,6 +130,12 @@ def _split_with_sizes(ctx: LoweringContext, x: Value, sizes: Sequence[int], dim:
         results.append(ctx.builder.slice(x, starts, limits, [1] * x.rank))
         offset += size
     return tuple(results)
+
+
+@lowering(aten.unbind.int, aten.unbind_copy.int)
+def _unbind(ctx: LoweringContext, x: Value, dim: int = 0) -> tuple[Value, ...]:
+    dim = normalize_dim(dim, x.rank)
+    return tuple(_select(ctx, x, dim, i, spec) for i, spec in enumerate(ctx.out))
 
 
 @lowering(aten.constant_pad_nd.default)

@@ -1,0 +1,86 @@
+"""Shape, indexing, creation and reduction rules against eager torch."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import check
+
+
+def test_shape_ops() -> None:
+    def fn(x: torch.Tensor, v: torch.Tensor, s: torch.Tensor) -> list[torch.Tensor]:
+        a, b_, c = torch.split(x, [1, 2, 1], dim=1)
+        return [
+            x.view(4, 12), x.reshape(-1), x.permute(2, 0, 1), x.transpose(0, -1), x.t() if x.dim() == 2 else x.mT,
+            v.expand(3, 6), x.unsqueeze(1), x[:, :1].squeeze(1), x[1:3], x[::2, 1:], x[:, -3:-1], x[..., ::3],
+            x[:, 10:], x[-100:2], x[1], x[:, -1], torch.cat([x, x * 2], dim=-1), torch.stack([v, v]), a, b_ + 1, c,
+            torch.nn.functional.pad(x, (1, 2, 0, 1), value=-1.0), torch.nn.functional.pad(x, (-1, 1)),
+            x.flip(0, 2), x.clone(), s.reshape(1, 1), x.flatten(1), torch.roll(v, 2), v.repeat(2, 3),
+            torch.tril(x[0]), torch.cat([v, torch.empty(0)]), x.narrow(2, 1, 2), x.unbind(0)[2],
+        ]
+
+    check(fn, torch.randn(4, 4, 3), torch.randn(6), torch.tensor(3.0))
+
+
+def test_indexing_ops() -> None:
+    def fn(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, g: torch.Tensor) -> list[torch.Tensor]:
+        return [
+            torch.index_select(x, 0, idx.abs()), torch.index_select(x, 1, idx[:2]), torch.gather(x, 1, g),
+            torch.nn.functional.embedding(idx.view(2, 2).abs(), w), x[idx], x[idx, idx],
+            torch.zeros(4, 5).scatter(1, g, 1.5), torch.zeros(4, 5).scatter(1, g, x[:, :3]),
+            torch.zeros(4, 5).scatter_add(1, g, torch.ones(4, 3)), torch.nn.functional.one_hot(idx.abs(), 6), x.view(-1).as_strided((3, 2), (2, 5), 1),
+        ]
+
+    idx = torch.tensor([3, 0, -1, 1])
+    check(fn, torch.randn(4, 5), torch.randn(6, 3), idx, torch.randint(0, 5, (4, 3)))
+
+
+def test_creation_ops() -> None:
+    def fn(x: torch.Tensor) -> list[torch.Tensor]:
+        return [
+            torch.zeros(2, 3), torch.ones(3, dtype=torch.int64), torch.full((2,), 7.5), torch.full_like(x, -2),
+            torch.zeros_like(x, dtype=torch.bool), x.new_ones(2), x.new_full((3,), 4.0), torch.arange(5),
+            torch.arange(1, 10, 3), torch.arange(0.0, 2.0, 0.25), torch.arange(6, dtype=torch.float16),
+            torch.empty(2, 2).fill_(3.0), torch.scalar_tensor(2.5), x.new_zeros(0) + 1,
+        ]
+
+    check(fn, torch.randn(3, 2))
+
+
+def test_reductions() -> None:
+    def fn(x: torch.Tensor, i: torch.Tensor, b: torch.Tensor, h: torch.Tensor) -> list[torch.Tensor]:
+        values, indices = x.max(dim=1)
+        mvalues, mindices = x.min(dim=0, keepdim=True)
+        return [
+            x.sum(), x.sum(0), x.sum((0, -1), keepdim=True), x.mean(), x.mean(1, keepdim=True), x.amax(1),
+            x.amin((0, 2)), x.prod(1), x.argmax(), x.argmax(2), x.argmin(1, keepdim=True), values, indices,
+            mvalues, mindices, i.sum(), i.sum(1), b.any(), b.all(1), b.sum(), x.var(1), x.var((0, 2), correction=0),
+            x.std(), torch.var_mean(x, 1)[0], torch.var_mean(x, 1)[1], h.sum(1), h.mean(), i.max(), x.sum(1, dtype=torch.float64),
+            torch.logsumexp(x, 1), torch.linalg.vector_norm(x, dim=1), i.amax(0), x.max(), b.float().mean(),
+        ]
+
+    x = torch.randn(3, 4, 5)
+    x[0, 1, 2] = x[0, 1, 3]  # a tie: the first index wins
+    check(
+        fn, x, torch.randint(-5, 5, (3, 4)), torch.rand(3, 4) > 0.3, torch.randn(4, 6, dtype=torch.bfloat16),
+        atol=2e-2, rtol=2e-2,
+    )
+
+
+def test_argmax_nan() -> None:
+    def fn(x: torch.Tensor) -> list[torch.Tensor]:
+        return [x.argmax(1), x.argmin(1), x.amax(1), x.max(1)[1]]
+
+    x = torch.tensor([[1.0, float("nan"), 3.0], [2.0, 5.0, 5.0]])
+    check(fn, x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linalg(dtype: torch.dtype) -> None:
+    def fn(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: torch.Tensor) -> list[torch.Tensor]:
+        return [a @ b, torch.bmm(c, c.transpose(1, 2)), torch.addmm(bias, a, b, beta=0.5, alpha=2), a @ b[:, 0],
+                torch.nn.functional.linear(a, b.t(), bias), torch.einsum("bij,bkj->bik", c, c), b[:, 0] @ b[:, 1]]
+
+    tol = 5e-2 if dtype == torch.bfloat16 else None
+    check(fn, torch.randn(4, 6, dtype=dtype), torch.randn(6, 5, dtype=dtype), torch.randn(2, 3, 4, dtype=dtype),
+          torch.randn(5, dtype=dtype), atol=tol, rtol=tol)
