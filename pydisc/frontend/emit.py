@@ -71,10 +71,10 @@ def unsupported_reason(node: torch.fx.Node) -> str | None:
         return _dtype_reason(node.meta.get("val")) if node.op == "placeholder" else None
     if node.op != "call_function":
         return f"{node.op} nodes are not supported"
+    if node.target is operator.getitem:  # an unused result (None) of a multi-output op has no val
+        return _dtype_reason(node.meta.get("val"))
     if "val" not in node.meta:
         return "node has no recorded metadata"
-    if node.target is operator.getitem:
-        return _dtype_reason(node.meta["val"])
     if node.target not in LOWERINGS:
         return f"no lowering rule for {node.target}"
     for value in [node.meta["val"], *(n.meta.get("val") for n in node.all_input_nodes)]:

@@ -109,7 +109,11 @@ def _literal(value: float | int | bool, dtype: torch.dtype) -> str:
         return str(int(value))
     value = float(value)
     if math.isfinite(value):
-        return repr(value)
+        text = repr(value)
+        mantissa, _, exponent = text.partition("e")
+        if exponent and "." not in mantissa:  # MLIR wants 1.0e-08, not 1e-08
+            text = f"{mantissa}.0e{exponent}"
+        return text
     # Non-finite: give the exact bit pattern in this element type.
     bits = torch.tensor(value, dtype=dtype)
     int_type = {2: torch.int16, 4: torch.int32, 8: torch.int64}[bits.element_size()]

@@ -12,7 +12,7 @@ import torch
 
 from pydisc.frontend.lowering.builder import TensorSpec, Value
 from pydisc.frontend.lowering.elementwise import as_operand, compute_dtype
-from pydisc.frontend.lowering.registry import LoweringContext, lowering
+from pydisc.frontend.lowering.registry import LoweringContext, lowering, support_check
 
 __all__ = ["normalize_dim"]
 
@@ -72,10 +72,29 @@ def _convert(ctx: LoweringContext, x: Value, *_: object, **__: object) -> Value:
     return ctx.builder.convert(x, ctx.out_dtype)
 
 
-@lowering(aten.copy.default)
+@lowering(aten.copy.default, aten.copy_.default)
 def _copy(ctx: LoweringContext, dst: Value, src: Value, non_blocking: bool = False) -> Value:
     b = ctx.builder
     return b.broadcast_to(b.convert(src, ctx.out_dtype), ctx.out_spec.shape)
+
+
+@support_check(aten.copy_.default)
+def _copy_check(node: torch.fx.Node) -> str | None:
+    """Decompositions traced below functionalization (batch norm's running stats) leave `copy_`s in
+    the graph. Lowered as a value (the copy_ node *is* the new contents), which is only right when
+    nothing reads the old destination node afterwards."""
+    dst = node.args[0]
+    later = [u for u in dst.users if u is not node and _comes_after(u, node)]  # type: ignore[union-attr]
+    return "copy_ into a tensor that is read afterwards" if later else None
+
+
+def _comes_after(a: torch.fx.Node, b: torch.fx.Node) -> bool:
+    node = b.next
+    while node.op != "root":
+        if node is a:
+            return True
+        node = node.next
+    return False
 
 
 # ---- slicing and joining ------------------------------------------------------------------------
