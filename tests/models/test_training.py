@@ -44,17 +44,25 @@ def batches(model_cls, n, seed=0):
     return [(torch.randn(*shape, generator=g), torch.randint(0, 10, (16,), generator=g)) for _ in range(n)]
 
 
-def train_side_by_side(model_cls, make_opt, steps=5, schedule=False):
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, cuda])]
+
+
+def train_side_by_side(model_cls, make_opt, steps=5, schedule=False, device="cpu"):
+    if device == "cuda":   # compare against strict fp32, as IREE computes it
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
-    eager = model_cls()
+    eager = model_cls().to(device)
     torch.manual_seed(0)
-    lazy = pydisc.lazy(model_cls())
+    lazy = pydisc.lazy(model_cls(), device=device)
     opt_e, opt_l = make_opt(eager.parameters()), make_opt(lazy.parameters())
     sched = []
     if schedule:
         sched = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.7) for o in (opt_e, opt_l)]
     losses_e, losses_l, compiles = [], [], []
     for x, y in batches(model_cls, steps):
+        x, y = x.to(device), y.to(device)
         for model, opt, losses in ((eager, opt_e, losses_e), (lazy, opt_l, losses_l)):
             loss = F.cross_entropy(model(x), y)
             loss.backward()
@@ -71,12 +79,13 @@ def train_side_by_side(model_cls, make_opt, steps=5, schedule=False):
 def assert_state_equal(eager, lazy, rtol=1e-5, atol=1e-6):
     for (name, e), l in zip(eager.state_dict().items(), lazy.state_dict().values()):
         assert pydisc.is_lazy(l), name
-        torch.testing.assert_close(l.cpu(), e, rtol=rtol, atol=atol, msg=lambda m: name + ": " + m)
+        torch.testing.assert_close(l.cpu(), e.cpu(), rtol=rtol, atol=atol, msg=lambda m: name + ": " + m)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
-def test_mlp_training_matches_eager(opt_name):
-    eager, lazy, _, _, le, ll, compiles = train_side_by_side(MLP, OPTIMIZERS[opt_name], steps=5)
+def test_mlp_training_matches_eager(opt_name, device):
+    eager, lazy, _, _, le, ll, compiles = train_side_by_side(MLP, OPTIMIZERS[opt_name], steps=5, device=device)
     for a, b in zip(le, ll):
         torch.testing.assert_close(b.item(), a.item(), rtol=1e-5, atol=1e-6)
     assert_state_equal(eager, lazy)
@@ -84,8 +93,9 @@ def test_mlp_training_matches_eager(opt_name):
     assert compiles[-1] == compiles[2]
 
 
-def test_cnn_batchnorm_training_matches_eager():
-    eager, lazy, _, _, le, ll, compiles = train_side_by_side(CNN, OPTIMIZERS["sgd_momentum"], steps=4)
+@pytest.mark.parametrize("device", DEVICES)
+def test_cnn_batchnorm_training_matches_eager(device):
+    eager, lazy, _, _, le, ll, compiles = train_side_by_side(CNN, OPTIMIZERS["sgd_momentum"], steps=4, device=device)
     for a, b in zip(le, ll):
         torch.testing.assert_close(b.item(), a.item(), rtol=1e-5, atol=1e-6)
     assert_state_equal(eager, lazy, rtol=1e-4, atol=1e-5)
