@@ -178,7 +178,8 @@ def _needed_entries(trace: Trace, storage: LazyStorage) -> list[int]:
     """
     entries = trace.entries
     n = len(entries)
-    produced = [{id(trace.storages[v]) for v in e.out_vids} | {id(s) for s in e.writes} for e in entries]
+    produced = [{id(trace.storages[v]) for v in e.out_vids if v is not None} | {id(s) for s in e.writes}
+                for e in entries]
     reads = [{id(s) for s in e.reads} for e in entries]
     writes = [{id(s) for s in e.writes} for e in entries]
     forced: set[int] = set()
@@ -220,6 +221,8 @@ def _select_outputs(trace: Trace, executed: list[int], remaining: list[int]) -> 
             if s.input_index >= 0 and s.epoch == trace.epoch:
                 written_inputs.add(s.input_index)
         for vid in e.out_vids:
+            if vid is None:
+                continue
             s = trace.storages[vid]
             if s.creator == vid and (id(s) in alive_storages or id(s) in remaining_reads):
                 outputs.append(("value", vid))
@@ -303,7 +306,7 @@ def _bind(trace: Trace, outputs: tuple, results: list[torch.Tensor], executed: l
         touched.append(storage)
     executed_vids = set()
     for i in executed:
-        executed_vids.update(trace.entries[i].out_vids)
+        executed_vids.update(v for v in trace.entries[i].out_vids if v is not None)
     for vid, ref in list(trace.tensors.items()):
         t = ref()
         if t is None:

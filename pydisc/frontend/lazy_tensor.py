@@ -211,6 +211,7 @@ class Recorder:
         self.executor: Callable[[LazyTensor | None, str], None] | None = None
         self.owner_thread: int | None = None
         self.rewrites: dict[Any, Callable] = {}
+        self.foreach_rewrite: Callable | None = None
 
     def new_trace(self) -> Trace:
         self.epoch += 1
@@ -260,6 +261,8 @@ class Recorder:
                     "pydisc: lazy tensors were used from two threads within one step. Record each step "
                     "from one thread, or call pydisc.mark_step() before handing tensors to another thread.")
             rewrite = self.rewrites.get(func)
+            if rewrite is None and self.foreach_rewrite is not None and func.__name__.startswith("_foreach_"):
+                rewrite = self.rewrites[func] = self.foreach_rewrite
             if rewrite is not None:
                 result = rewrite(func, args, kwargs)
                 if result is not NotImplemented:
@@ -402,6 +405,9 @@ class Recorder:
         leaves = out if isinstance(out, (tuple, list)) else (out,)
         descs = []
         for o in leaves:
+            if o is None:       # an optional output not asked for (convolution_backward's output_mask)
+                descs.append(None)
+                continue
             if not isinstance(o, torch.Tensor):
                 raise NotImplementedError("non-tensor output")
             descs.append((tuple(o.shape), o.stride(), o.storage_offset(), o.dtype,
@@ -441,6 +447,10 @@ class Recorder:
         out_vids = []
         plans = info.returns
         for j, d in enumerate(descs):
+            if d is None:
+                outs.append(None)
+                out_vids.append(None)
+                continue
             plan = plans[j] if j < len(plans) else (plans[0] if plans else None)
             size, stride, offset, dtype, nbytes = d
             if plan is not None and plan[0] == "write":

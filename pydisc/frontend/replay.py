@@ -55,7 +55,8 @@ class Program:
                 env[out_vids[0]] = out
             else:
                 for vid, o in zip(out_vids, out):
-                    env[vid] = o
+                    if vid is not None:
+                        env[vid] = o
         return [bases[i] if kind == "base" else env[i] for kind, i in self.outputs]
 
 

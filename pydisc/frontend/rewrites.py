@@ -85,7 +85,10 @@ def _foreach(func, args, kwargs):
     results = []
     for k in range(n):
         elem_args = [a[k] if i in lists else a for i, a in enumerate(args)]
-        results.append(packet(*elem_args, **kwargs))
+        elem_kwargs = kwargs
+        if name.startswith("addc") and len(elem_args) > 3:   # foreach passes `value` positionally
+            elem_kwargs = dict(kwargs, value=elem_args.pop())
+        results.append(packet(*elem_args, **elem_kwargs))
     if not func._schema.returns:
         return None
     return results
@@ -118,9 +121,5 @@ def install_rewrites() -> None:
         add = getattr(aten, "add" + inplace).Tensor
         r[getattr(aten, "addcmul" + inplace).default] = _addc(aten.mul.Tensor, add)
         r[getattr(aten, "addcdiv" + inplace).default] = _addc(aten.div.Tensor, add)
-    for op_name in dir(aten):
-        if op_name.startswith("_foreach_"):
-            packet = getattr(aten, op_name)
-            for overload in packet.overloads():
-                r[getattr(packet, overload)] = _foreach
+    RECORDER.foreach_rewrite = _foreach     # matched by name: aten's namespace loads ops lazily
     r[aten.native_batch_norm.default] = _batch_norm

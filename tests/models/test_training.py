@@ -52,6 +52,7 @@ def train_side_by_side(model_cls, make_opt, steps=5, schedule=False, device="cpu
     if device == "cuda":   # compare against strict fp32, as IREE computes it
         torch.backends.cudnn.allow_tf32 = False
         torch.backends.cuda.matmul.allow_tf32 = False
+    pydisc.reset_metrics()
     torch.manual_seed(0)
     eager = model_cls().to(device)
     torch.manual_seed(0)
@@ -91,6 +92,9 @@ def test_mlp_training_matches_eager(opt_name, device):
     assert_state_equal(eager, lazy)
     # steps 1 and 2 may differ in structure (optimizer state created on step 1); after that, none
     assert compiles[-1] == compiles[2]
+    m = pydisc.metrics()
+    assert m["fallback_ops"] == {} and m["compile_failures"] == {}, m
+    assert m["executions"] >= 5 and m["graph_cache_hits"] >= 3
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -101,7 +105,8 @@ def test_cnn_batchnorm_training_matches_eager(device):
     assert_state_equal(eager, lazy, rtol=1e-4, atol=1e-5)
     assert compiles[-1] == compiles[2]
     m = pydisc.metrics()
-    assert m["executions"] > 0 and m["clusters"] > 0
+    assert m["fallback_ops"] == {} and m["compile_failures"] == {}, m
+    assert m["executions"] >= 4 and m["clusters"] > 0
 
 
 def test_lr_scheduler_does_not_recompile():
