@@ -209,7 +209,6 @@ class Recorder:
         self.trace = Trace(epoch=0)
         self.meta_cache: dict[Any, Any] = {}
         self.executor: Callable[[LazyTensor | None, str], None] | None = None
-        self.owner_thread: int | None = None
         self.rewrites: dict[Any, Callable] = {}
         self.foreach_rewrite: Callable | None = None
 
@@ -252,14 +251,9 @@ class Recorder:
 
     # ---- the ladder ------------------------------------------------------------------------------
     def dispatch(self, func, args, kwargs):
+        # One lock serialises recording: autograd runs backward on its own thread per CUDA device, so
+        # several threads legitimately record into one step; the lock keeps the trace consistent.
         with self.lock:
-            me = threading.get_ident()
-            if self.owner_thread is None or not len(self.trace):
-                self.owner_thread = me
-            elif self.owner_thread != me:
-                raise RuntimeError(
-                    "pydisc: lazy tensors were used from two threads within one step. Record each step "
-                    "from one thread, or call pydisc.mark_step() before handing tensors to another thread.")
             rewrite = self.rewrites.get(func)
             if rewrite is None and self.foreach_rewrite is not None and func.__name__.startswith("_foreach_"):
                 rewrite = self.rewrites[func] = self.foreach_rewrite

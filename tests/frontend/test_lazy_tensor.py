@@ -155,20 +155,14 @@ def test_save_load_and_deepcopy():
     torch.testing.assert_close(c.cpu(), p.cpu())
 
 
-def test_other_thread_in_same_step_is_refused():
+def test_recording_from_another_thread_is_serialised():
+    # autograd records backward ops from its own thread on CUDA: other threads must work, under a lock
     x = lazy(torch.ones(2))
     y = x + 1
-    errors = []
-
-    def other():
-        try:
-            x * 3
-        except RuntimeError as e:
-            errors.append(str(e))
-
-    t = threading.Thread(target=other)
+    results = []
+    t = threading.Thread(target=lambda: results.append(x * 3))
     t.start()
     t.join()
-    assert errors and "two threads" in errors[0]
     pydisc.mark_step()
     assert_same(y, torch.full((2,), 2.0))
+    assert_same(results[0], torch.full((2,), 3.0))
