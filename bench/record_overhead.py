@@ -1,0 +1,191 @@
+"""What recording costs: microseconds per recorded ATen op, against eager PyTorch's cost per ATen op.
+
+For each model, one training step (forward, backward, SGD with momentum) is timed two ways on CPU:
+  - pydisc: from the start of the step until just before `mark_step()` (recording only), divided by
+    the step's `recorded_ops`; `mark_step()` on the warm plan (plan cache hit) is timed on its own;
+  - eager: the whole step, divided by the number of ATen ops it runs (counted once with a
+    TorchDispatchMode, so the count includes the ops autograd runs in backward).
+Medians over repeats after warm-up steps (which also compile the pydisc plans).
+
+    python bench/record_overhead.py [--repeats 50]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# Lets `python bench/record_overhead.py` run from a checkout without installing pydisc.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import pydisc  # noqa: E402
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int = 256):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                                 nn.Linear(width, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block written with plain torch ops (no fused attention kernel)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.head = nn.Linear(dim, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        attn = torch.softmax(q @ k.transpose(-1, -2) / (d // self.heads) ** 0.5, dim=-1)
+        x = x + self.proj((attn @ v).transpose(1, 2).reshape(b, s, d))
+        x = x + self.down(F.gelu(self.up(self.norm2(x))))
+        return self.head(x.mean(dim=1))
+
+
+@dataclass
+class Workload:
+    name: str
+    make_model: Callable[[], nn.Module]
+    input_shape: tuple[int, ...]
+
+
+WORKLOADS = [Workload("mlp 64-256-256-10, batch 64", MLP, (64, 64)),
+             Workload("transformer block d64 h4, 8x32 tokens", Block, (8, 32, 64))]
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+@dataclass
+class Result:
+    name: str
+    eager_ops: int
+    eager_us_per_op: float
+    recorded_ops: int
+    record_us_per_op: float
+    eager_step_ms: float
+    record_ms: float
+    mark_step_ms: float
+    lookup_bind_ms: float    # mark_step minus its runner: key, plan cache lookup, binding results
+
+
+def measure(workload: Workload, repeats: int, warmup: int) -> Result:
+    torch.manual_seed(0)
+    eager = workload.make_model()
+    lazy = pydisc.lazy(copy.deepcopy(eager))
+    make_opt = lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9)  # noqa: E731
+    eager_opt, lazy_opt = make_opt(eager.parameters()), make_opt(lazy.parameters())
+    x = torch.randn(workload.input_shape)
+    y = torch.randint(0, 10, (workload.input_shape[0],))
+
+    for _ in range(warmup):   # momentum buffers appear in step 1: the ops change once, then stay
+        train_step(eager, eager_opt, x, y)
+        train_step(lazy, lazy_opt, x, y)
+        pydisc.mark_step()
+    run_s = _time_runners()
+    counter = CountOps()
+    with counter:
+        train_step(eager, eager_opt, x, y)
+
+    eager_s, record_s, mark_s, recorded = [], [], [], []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        train_step(eager, eager_opt, x, y)
+        eager_s.append(time.perf_counter() - started)
+
+        ops_before = pydisc.metrics()["recorded_ops"]
+        started = time.perf_counter()
+        train_step(lazy, lazy_opt, x, y)
+        recorded_at = time.perf_counter()
+        pydisc.mark_step()
+        mark_s.append(time.perf_counter() - recorded_at)
+        record_s.append(recorded_at - started)
+        recorded.append(pydisc.metrics()["recorded_ops"] - ops_before)
+    if len(set(recorded)) != 1:
+        raise RuntimeError("recorded op count changed between repeats: %s" % sorted(set(recorded)))
+    if len(run_s) != repeats:
+        raise RuntimeError("expected one warm plan run per step, got %d runs in %d steps" % (len(run_s), repeats))
+    ms = lambda seconds: 1e3 * statistics.median(seconds)  # noqa: E731
+    return Result(workload.name, counter.count, 1e3 * ms(eager_s) / counter.count, recorded[0],
+                  1e3 * ms(record_s) / recorded[0], ms(eager_s), ms(record_s), ms(mark_s),
+                  ms([m - r for m, r in zip(mark_s, run_s)]))
+
+
+def _time_runners() -> list[float]:
+    """Wrap the runner of every cached step plan so its calls are timed. This reaches into pydisc's
+    plan cache (there is no public hook): what is left of mark_step is the key build, the cache
+    lookup and binding the results to the lazy tensors."""
+    from pydisc.step import _PLANS
+
+    seconds: list[float] = []
+
+    def timed(runner):
+        def run(*inputs):
+            started = time.perf_counter()
+            out = runner(*inputs)
+            seconds.append(time.perf_counter() - started)
+            return out
+        return run
+
+    for plan in _PLANS.values():
+        if not getattr(plan, "_bench_timed", False):
+            plan.runner, plan._bench_timed = timed(plan.runner), True
+    return seconds
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads for eager (default 1: recording is single-threaded, and "
+                        "one thread keeps eager timings stable on a small shared machine)")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    results = [measure(w, args.repeats, args.warmup) for w in WORKLOADS]
+    print("torch %s, %d thread(s), median of %d steps after %d warm-up steps"
+          % (torch.__version__, torch.get_num_threads(), args.repeats, args.warmup))
+    print()
+    print("| model | eager ATen ops | eager us/op | recorded ops | record us/op | record/eager "
+          "| eager step | pydisc record + mark_step (lookup+bind / run) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in results:
+        print("| %s | %d | %.1f | %d | %.1f | %.1fx | %.2f ms | %.2f + %.2f ms (%.2f / %.2f) |" % (
+            r.name, r.eager_ops, r.eager_us_per_op, r.recorded_ops, r.record_us_per_op,
+            r.record_us_per_op / r.eager_us_per_op, r.eager_step_ms, r.record_ms, r.mark_step_ms,
+            r.lookup_bind_ms, r.mark_step_ms - r.lookup_bind_ms))
+
+
+if __name__ == "__main__":
+    main()
