@@ -1,14 +1,14 @@
 """Train an MLP and a small CNN on handwritten digits with pydisc and eager PyTorch side by side.
 
-Both copies start from the same weights and see the same batches in the same order. The example
-doubles as a check: it exits non-zero when the losses drift apart (relative difference above 1e-3) or
-the final test accuracies differ by more than one point.
+Both copies start from the same weights and see the same batches in the same order, and train
+independently. The example doubles as a check: it exits non-zero when the losses of the first
+steps differ (relative difference above 1e-3) or the final test accuracies differ by more than one point.
 
 Rounding differs between IREE's kernels and eager's (about 1e-7), and training amplifies it: once a
 pre-activation within ~1e-8 of zero lands on the other side of a ReLU, the two runs follow different
-(equally good) paths, and after a few hundred steps their losses differ by percents. So at every
-logged step the eager copy is re-synced to pydisc's weights and optimizer state: a loss difference
-then measures at most one logging interval of drift, while a wrong kernel still shows up at once.
+(equally good) paths, and after a few hundred steps their losses differ by percents while both
+converge. So the step-by-step check covers the first steps only, before that drift can build up; the
+end of the curves is judged by accuracy. (The test suite pins step-by-step equality on short runs.)
 
     python examples/mnist.py                       # scikit-learn's 8x8 digits, MLP and CNN
     python examples/mnist.py --mnist ~/data/mnist  # the standard MNIST IDX files (.gz or not)
@@ -173,8 +173,10 @@ class Run:
     compiles: int
     compile_seconds: float
 
-    def max_relative_loss_diff(self) -> float:
-        return max(abs(e - p) / max(abs(e), 1e-12) for e, p in zip(self.eager_losses, self.lazy_losses))
+    def max_relative_loss_diff(self, steps: int = 10) -> float:
+        """Over the first `steps` steps, before rounding differences can grow into different paths."""
+        pairs = list(zip(self.eager_losses, self.lazy_losses))[:steps]
+        return max(abs(e - p) / max(abs(e), 1e-12) for e, p in pairs)
 
 
 def _sync(device: torch.device) -> None:
@@ -192,18 +194,6 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tens
         pydisc.mark_step()
     # After mark_step the lazy loss holds device data, so this read costs no extra materialization.
     return loss.item()
-
-
-def resync(eager: nn.Module, eager_opt: torch.optim.Optimizer, lazy: nn.Module,
-           lazy_opt: torch.optim.Optimizer) -> None:
-    """Copy the lazy model's weights, buffers and optimizer state into the eager model."""
-    with torch.no_grad():
-        for e, p in zip(list(eager.parameters()) + list(eager.buffers()),
-                        list(lazy.parameters()) + list(lazy.buffers())):
-            e.copy_(p)   # a write into an eager tensor reads the lazy one's device data
-            for key, value in eager_opt.state.get(e, {}).items():
-                if isinstance(value, torch.Tensor):
-                    value.copy_(lazy_opt.state[p][key])
 
 
 def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, lazy: bool, chunk: int = 1000) -> float:
@@ -245,8 +235,6 @@ def train_side_by_side(name: str, data: Dataset, args: argparse.Namespace) -> Ru
         if step == 1 or step % log_every == 0 or step == args.steps:
             e, p = run.eager_losses[-1], run.lazy_losses[-1]
             print("%6d  %12.6f  %12.6f  %10.2e" % (step, e, p, abs(e - p)))
-            if step < args.steps:
-                resync(eager, eager_opt, lazy, lazy_opt)
     test_x, test_y = data.test_x.to(device), data.test_y.to(device)
     run.eager_accuracy = accuracy(eager, test_x, test_y, lazy=False)
     run.lazy_accuracy = accuracy(lazy, test_x, test_y, lazy=True)
@@ -273,7 +261,7 @@ def report(run: Run) -> list[str]:
     if abs(run.eager_accuracy - run.lazy_accuracy) > MAX_ACCURACY_DIFF:
         failures.append("%s: test accuracies differ by %.2f points"
                         % (run.name, 100 * abs(run.eager_accuracy - run.lazy_accuracy)))
-    print("check    max relative loss diff %.2e: %s" % (drift, "FAIL" if failures else "ok"))
+    print("check    max relative loss diff over the first 10 steps %.2e: %s" % (drift, "FAIL" if failures else "ok"))
     return failures
 
 

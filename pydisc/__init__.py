@@ -6,18 +6,32 @@
 """
 from __future__ import annotations
 
-from .frontend.lazy_tensor import LazyTensor, is_lazy, to_lazy
+import atexit
+import gc
+
+from .diagnostics import PydiscWarning
+from .frontend.lazy_tensor import LazyTensor, StrictModeError, is_lazy, to_lazy
 from .frontend.rewrites import install_rewrites
 from .metrics import METRICS
 from .module import lazy
 from .report import metrics_report
-from .step import PydiscWarning, run_pending
+from .step import run_pending
 
 __all__ = ["lazy", "mark_step", "is_lazy", "to_lazy", "metrics", "reset_metrics", "metrics_report",
-           "LazyTensor", "PydiscWarning", "__version__"]
+           "LazyTensor", "PydiscWarning", "StrictModeError", "__version__"]
 __version__ = "0.1.0"
 
 install_rewrites()
+
+
+@atexit.register
+def _release_compiled() -> None:
+    # Free IREE modules and devices before the interpreter tears down the runtime bindings.
+    from .exec import clear_cache
+    from .step import clear_plans
+    clear_plans()
+    clear_cache()
+    gc.collect()
 
 
 def mark_step() -> None:

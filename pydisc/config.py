@@ -16,6 +16,14 @@ class Config:
     dump_dir: str = _env("PYDISC_DUMP_DIR")              # write each cluster's MLIR + partition summary
     disable: bool = _env("PYDISC_DISABLE") == "1"        # never compile: every op runs eagerly at mark_step
     min_cluster_ops: int = int(_env("PYDISC_MIN_CLUSTER_OPS", "1"))
+    strict: bool = _env("PYDISC_STRICT") == "1"          # raise on the first fallback or forced read in a step
+    log: frozenset = frozenset(x for x in _env("PYDISC_LOG").split(",") if x)   # compiles, recompiles, plans
+    check_every: int = int(_env("PYDISC_CHECK", "0"))    # rerun every Nth execution of a cluster eagerly and compare
+    progress: bool = _env("PYDISC_PROGRESS", "1") != "0"  # a line per cluster while a long compile runs
+    # compiled executables shared across processes (docs/cache.md): "" = $XDG_CACHE_HOME/pydisc or
+    # ~/.cache/pydisc, "off" = no disk cache; evicted least-recently-used beyond cache_max_mb
+    cache_dir: str = _env("PYDISC_CACHE_DIR")
+    cache_max_mb: float = float(_env("PYDISC_CACHE_MAX_MB", "2048"))
 
 
 CONFIG = Config()

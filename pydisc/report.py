@@ -1,4 +1,4 @@
-"""`metrics_report()`: the counters as a short text a user can read."""
+"""`metrics_report()`: the counters as a short text a user can read (docs/metrics.md explains it)."""
 from __future__ import annotations
 
 from .metrics import METRICS
@@ -14,15 +14,28 @@ def metrics_report(top: int = 10) -> str:
                                                                    m.graph_cache_misses),
         "  recorded ops         %d" % m.recorded_ops,
         "  compiled clusters    %d" % m.clusters,
-        "  IREE compiles        %d (%.2f s), cache hits %d" % (m.compiles, m.compile_seconds, m.cache_hits),
+        "  IREE compiles        %d (%.2f s), cache hits %d (%d from disk)" % (
+            m.compiles, m.compile_seconds, m.cache_hits, getattr(m, "disk_cache_hits", 0)),
         "  cluster executions   %d" % m.executions,
         "  materializations     %d (values read before mark_step)" % m.materializations,
         "  planning time        %.2f s" % m.plan_seconds,
     ]
+    for source, count in m.materialization_sources.most_common(3):
+        lines.append("    read x%d at %s" % (count, source))
     total = sum(m.fallback_ops.values())
     lines.append("  eager (fallback) ops %d" % total)
     for op, count in m.fallback_ops.most_common(top):
-        lines.append("    %-40s %d" % (op, count))
+        dtypes = ",".join(sorted(m.fallback_dtypes.get(op, ())))
+        source = m.fallback_sources.get(op)
+        lines.append("    %-40s %6d  %s%s" % (op, count, dtypes, ("  first at " + source) if source else ""))
+    if m.recompiles:
+        lines.append("  recompiles           %d" % len(m.recompiles))
+        for reason in m.recompiles[-3:]:
+            lines.append("    " + reason)
     if m.compile_failures:
         lines.append("  compile failures     " + ", ".join("%s x%d" % kv for kv in m.compile_failures.items()))
+    if m.numerics_checks:
+        lines.append("  numerics checks      %d, mismatches %d" % (m.numerics_checks, len(m.numerics_mismatches)))
+        for message in m.numerics_mismatches[:3]:
+            lines.append("    " + message)
     return "\n".join(lines)

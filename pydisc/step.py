@@ -8,67 +8,23 @@ step's results exist, so a failure never leaves them half-updated.
 """
 from __future__ import annotations
 
-import os
-import threading
-import time
-import warnings
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from .config import CONFIG
-from .metrics import METRICS
+from .diagnostics import explain_recompile, log, warn_once
 from .frontend.lazy_tensor import RECORDER, LazyTensor, _flat_base, _view_of_base, set_executor
-from .frontend.replay import Program, functional_graph, program_from_trace
+from .frontend.replay import Program, program_from_trace
 from .frontend.trace import LazyStorage, Trace
+from .metrics import METRICS
+from .plan import StepPlan, build_plan
 
-__all__ = ["run_pending", "StepPlan", "PydiscWarning", "clear_plans"]
-
-
-class PydiscWarning(UserWarning):
-    """A step part that pydisc could not compile and ran eagerly instead."""
-
-
-_WARNED: set[str] = set()
-
-
-def warn_once(key: str, message: str) -> None:
-    if key not in _WARNED:
-        _WARNED.add(key)
-        warnings.warn(message, PydiscWarning, stacklevel=3)
-
-
-@dataclass
-class StepPlan:
-    runner: Callable[..., list[torch.Tensor]]
-    eager_ops: Counter = field(default_factory=Counter)   # ATen op -> eager runs per execution
-    clusters: int = 0
-    compiled: bool = False
-
-
-class CompiledCluster(torch.nn.Module):
-    """Stands in for a cluster submodule: allocates its outputs with torch, IREE fills them."""
-
-    def __init__(self, name: str, compiled, emitted, device: torch.device, fallback: torch.nn.Module):
-        super().__init__()
-        self.name = name
-        self.compiled = compiled
-        self.specs = [(tuple(s.shape), s.dtype) for s in emitted.outputs]
-        self.device = device
-        self.fallback = fallback
-        out_node = next(n for n in fallback.graph.nodes if n.op == "output")
-        self.single = not isinstance(out_node.args[0], (tuple, list))
-
-    def forward(self, *inputs):
-        device = self.device
-        outs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.specs]
-        self.compiled.run(inputs, outs)
-        return outs[0] if self.single else tuple(outs)
+__all__ = ["run_pending", "clear_plans"]
 
 
 _PLANS: dict[tuple, StepPlan] = {}
+_LAST_KEY: list = [None]        # structural key of the last step that ran, for the recompile explainer
 
 
 def clear_plans() -> None:
@@ -83,91 +39,6 @@ def _step_device(trace: Trace) -> torch.device:
             return t.device
     return torch.device("cpu")
 
-
-def _dump(name: str, text: str) -> str | None:
-    if not CONFIG.dump_dir:
-        return None
-    os.makedirs(CONFIG.dump_dir, exist_ok=True)
-    path = os.path.join(CONFIG.dump_dir, name)
-    with open(path, "w") as f:
-        f.write(text)
-    return path
-
-
-def _build_plan(program: Program, inputs: list[torch.Tensor], device: torch.device) -> StepPlan:
-    """Plan in a fresh thread: a read such as `.item()` reaches us from inside `__torch_dispatch__`,
-    where the dispatcher's thread-local state (autograd, functionalization excluded) would break
-    make_fx. A new thread starts with clean dispatch state and default grad mode."""
-    result: list = []
-
-    def work():
-        try:
-            result.append(_build_plan_here(program, inputs, device))
-        except BaseException as exc:   # re-raised in the caller's thread
-            result.append(exc)
-
-    worker = threading.Thread(target=work, name="pydisc-plan")
-    worker.start()
-    worker.join()
-    if isinstance(result[0], BaseException):
-        raise result[0]
-    return result[0]
-
-
-def _build_plan_here(program: Program, inputs: list[torch.Tensor], device: torch.device) -> StepPlan:
-    from .cluster import partition_graph
-    from .frontend.decompositions import DECOMPOSITIONS
-    from .frontend.emit import emit_cluster, unsupported_reason
-    from .exec import compile_module
-
-    started = time.perf_counter()
-    try:
-        gm = functional_graph(program, inputs, DECOMPOSITIONS)
-    except Exception as exc:  # an op torch's functionalization or fake tensors cannot trace
-        warn_once("trace:" + type(exc).__name__ + str(exc)[:80],
-                  "pydisc: could not build a functional graph for this step (%s: %s); the step runs "
-                  "eagerly. Please report this with the op that failed." % (type(exc).__name__, exc))
-        ops = Counter(str(e[0]) for e in program.entries)
-        return StepPlan(program, ops)
-    if CONFIG.disable:
-        return StepPlan(gm, Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function"))
-    part = partition_graph(gm, device, unsupported_reason, CONFIG.min_cluster_ops)
-    fused = part.graph_module
-    eager_ops = Counter(part.eager_ops)
-    n_compiled = 0
-    METRICS.plan_seconds += time.perf_counter() - started
-    step_id = METRICS.graph_cache_misses
-    summary = ["step %d: %d clusters, %d eager ops" % (step_id, len(part.clusters), len(part.eager_ops))]
-    for reason_op, reason in sorted(part.reasons.items()):
-        summary.append("  not compiled: %s (%s)" % (reason_op, reason))
-    for name in part.clusters:
-        sub = getattr(fused, name)
-        ops = [str(n.target) for n in sub.graph.nodes if n.op == "call_function"]
-        try:
-            emitted = emit_cluster(sub)
-            _dump("step%d_%s.mlir" % (step_id, name), emitted.text)
-            compiled = compile_module(emitted.text, device)
-        except Exception as exc:
-            path = _dump("step%d_%s.failed.txt" % (step_id, name), "%s\n\n%s" % (exc, sub.code))
-            warn_once("cluster:" + type(exc).__name__ + str(exc)[:120],
-                      "pydisc: a cluster of %d ops could not be compiled and runs eagerly (%s: %s)%s"
-                      % (len(ops), type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "",
-                         "; IR dump: " + path if path else "; set PYDISC_DUMP_DIR to keep the IR"))
-            METRICS.compile_failures[type(exc).__name__] += 1
-            eager_ops.update(ops)
-            summary.append("  %s: %d ops, EAGER after failure: %s" % (name, len(ops), exc))
-            continue
-        setattr(fused, name, CompiledCluster(name, compiled, emitted, device, sub))
-        n_compiled += 1
-        summary.append("  %s: %d ops compiled: %s" % (name, len(ops), ", ".join(sorted(set(ops)))))
-    METRICS.clusters += n_compiled
-    if part.eager_ops:
-        summary.append("  eager: " + ", ".join("%s x%d" % kv for kv in Counter(part.eager_ops).most_common()))
-    _dump("step%d_partition.txt" % step_id, "\n".join(summary) + "\n\n" + fused.code)
-    return StepPlan(fused, eager_ops, n_compiled, n_compiled > 0)
-
-
-# ------------------------------------------------------------------------------------------------
 
 def _needed_entries(trace: Trace, storage: LazyStorage) -> list[int]:
     """Entries that the current data of `storage` depends on, in program order.
@@ -258,12 +129,22 @@ def run_pending(target: LazyTensor | None = None, reason: str = "mark_step") -> 
             inputs.append(torch.tensor(trace.scalars, dtype=torch.float32, device=device))
         plan = _PLANS.get(key)
         if plan is None:
+            sources = [trace.entries[i].source for i in executed]
+            last = _LAST_KEY[0]
+            if last is not None and last[3] and key[3] and last[3][0][0] == key[3][0][0]:
+                # same first op as the step before: most likely the same code with something changed
+                reason = explain_recompile(last, key, sources)
+                METRICS.recompiles.append(reason)
+                log("recompiles", "planning again: %s", reason)
             METRICS.graph_cache_misses += 1
             program = program_from_trace(trace, executed, outputs)
-            plan = _build_plan(program, inputs, device)
+            plan = build_plan(program, inputs, device, sources)
             _PLANS[key] = plan
+            RECORDER.capture_sources = True
         else:
             METRICS.graph_cache_hits += 1
+            RECORDER.capture_sources = CONFIG.strict
+        _LAST_KEY[0] = key
         try:
             results = plan.runner(*inputs)
         except Exception as exc:
@@ -277,7 +158,8 @@ def run_pending(target: LazyTensor | None = None, reason: str = "mark_step") -> 
             plan = _PLANS[key] = StepPlan(program, Counter(str(e[0]) for e in program.entries))
             results = program(*inputs)
         METRICS.steps += 1
-        METRICS.fallback_ops.update(plan.eager_ops)
+        for op, count in plan.eager_ops.items():
+            METRICS.note_fallback(op, count, plan.eager_dtypes.get(op, ()), plan.eager_sources.get(op))
         _bind(trace, outputs, results, executed, remaining)
 
 
@@ -287,6 +169,10 @@ def _as_layout(val: torch.Tensor, size, stride) -> torch.Tensor:
             (tuple(val.stride()) == tuple(stride) or val.numel() <= 1):
         return val
     out = torch.empty_strided(size, stride, dtype=val.dtype, device=val.device)
+    if val.numel() == 0 and out.numel() != 0:
+        # A CPU kernel that returns an empty tensor where its meta kernel promises data (the saved
+        # statistics of _native_batch_norm_legit_no_training): values eager never defines.
+        return out.zero_()
     out.copy_(val.reshape(size))
     return out
 

@@ -22,13 +22,19 @@ from typing import Any, Callable
 import torch
 
 from .. import metrics as _metrics
+from ..config import CONFIG
+from .source import user_source
 from .trace import Entry, LazyStorage, Trace, ValueRef
 
-__all__ = ["LazyTensor", "is_lazy", "to_lazy", "materialize", "current_trace", "set_executor", "Recorder",
+__all__ = ["StrictModeError", "LazyTensor", "is_lazy", "to_lazy", "materialize", "current_trace", "set_executor", "Recorder",
            "LiftedScalar", "RECORDER"]
 
 aten = torch.ops.aten
 METRICS = _metrics.METRICS
+
+
+class StrictModeError(RuntimeError):
+    """PYDISC_STRICT=1 and a step fell back to eager or read a value before mark_step."""
 
 
 class LiftedScalar:
@@ -211,6 +217,8 @@ class Recorder:
         self.executor: Callable[[LazyTensor | None, str], None] | None = None
         self.rewrites: dict[Any, Callable] = {}
         self.foreach_rewrite: Callable | None = None
+        # Source lines cost ~1-2 µs per op: captured until a step reuses a plan, again after a new plan.
+        self.capture_sources = True
 
     def new_trace(self) -> Trace:
         self.epoch += 1
@@ -296,9 +304,12 @@ class Recorder:
                 return type(a)(unwrap(x) for x in a)
             return a
 
-        if count:
-            if fallback:
-                METRICS.fallback_ops[str(func)] += 1
+        if count and fallback:
+            source = user_source(3)
+            if CONFIG.strict:
+                raise StrictModeError("pydisc strict mode: %s has no compiled form and would run eagerly, "
+                                      "at %s" % (func, source))
+            METRICS.note_fallback(str(func), 1, {a.dtype for a in args if isinstance(a, torch.Tensor)}, source)
         real_args = tuple(unwrap(a) for a in args)
         real_kwargs = {k: unwrap(v) for k, v in kwargs.items()}
         out = func(*real_args, **real_kwargs)
@@ -468,7 +479,8 @@ class Recorder:
             outs.append(t)
             out_vids.append(vid)
         trace.entries.append(Entry(func, enc_args, enc_kwargs, tuple(out_vids), kind,
-                                   tuple(reads), tuple(writes), tuple(sig)))
+                                   tuple(reads), tuple(writes), tuple(sig),
+                                   user_source(3) if self.capture_sources else None))
         METRICS.recorded_ops += 1
         if kind is None:
             return outs[0]
@@ -513,6 +525,11 @@ def materialize(t: LazyTensor, *, reason: str = "read") -> torch.Tensor:
     if not RECORDER.is_clean(t):
         if RECORDER.executor is None:
             raise RuntimeError("pydisc: no executor installed (import pydisc)")
+        source = user_source(2)
+        if CONFIG.strict:
+            raise StrictModeError("pydisc strict mode: a value was read before mark_step (%s) at %s; read it "
+                                  "after pydisc.mark_step() instead" % (reason, source))
         METRICS.materializations += 1
+        METRICS.materialization_sources[source or "?"] += 1
         RECORDER.executor(t, reason)
     return t._real

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
 from .trace import RealRef, ScalarRef, Trace, ValueRef
 
@@ -30,7 +30,7 @@ class Program:
     n_scalars: int
     outputs: tuple[tuple[str, int], ...]          # ("base", storage input index) | ("value", value id)
 
-    def __call__(self, *inputs: torch.Tensor) -> list[torch.Tensor]:
+    def __call__(self, *inputs: torch.Tensor, on_entry: Callable[[int], None] | None = None) -> list[torch.Tensor]:
         bases = inputs[: self.n_storages]
         reals = inputs[self.n_storages: self.n_storages + self.n_reals]
         scalars = inputs[-1] if self.n_scalars else None
@@ -49,7 +49,9 @@ class Program:
                 return [decode(x) for x in a]
             return a
 
-        for fn, args, kwargs, out_vids, out_kind in self.entries:
+        for index, (fn, args, kwargs, out_vids, out_kind) in enumerate(self.entries):
+            if on_entry is not None:
+                on_entry(index)
             out = fn(*[decode(a) for a in args], **{k: decode(v) for k, v in kwargs.items()})
             if out_kind is None:
                 env[out_vids[0]] = out
@@ -93,11 +95,33 @@ def program_from_trace(trace: Trace, entry_indices: list[int], outputs: tuple) -
 
 def functional_graph(program: Program, example_inputs: list[torch.Tensor],
                      decompositions: dict) -> torch.fx.GraphModule:
-    """A pure graph of core ATen ops computing `program`'s outputs from its inputs."""
+    """A pure graph of core ATen ops computing `program`'s outputs from its inputs.
+
+    Each node's `meta["pydisc_entry"]` is the index of the program entry it came from, so reports can
+    point at the user's source line."""
+    starts: list[tuple[int, int]] = []   # (graph length when entry began, entry index)
+
+    def on_entry(index: int) -> None:
+        mode = get_proxy_mode()
+        if mode is not None:
+            starts.append((len(mode.tracer.graph.nodes), index))
+
+    def traced(*inputs):
+        return program(*inputs, on_entry=on_entry)
+
     # remove="mutations": views stay views (eager ops in the graph then copy nothing), matching the
     # probe's finding that reapplied views are exact.
-    gm = make_fx(torch.func.functionalize(program, remove="mutations"),
+    gm = make_fx(torch.func.functionalize(traced, remove="mutations"),
                  decomposition_table=decompositions, tracing_mode="fake")(*example_inputs)
+    if starts:
+        bounds = iter(starts[1:] + [(1 << 62, -1)])
+        next_start, next_index = next(bounds)
+        current = starts[0][1]
+        for position, node in enumerate(gm.graph.nodes):
+            while position >= next_start:
+                current = next_index
+                next_start, next_index = next(bounds)
+            node.meta["pydisc_entry"] = current
     # Writes into inputs come back as returned values (Program returns the mutated bases); drop the
     # copy_ into the placeholders that functionalize appends, the executor writes back itself.
     graph = gm.graph

@@ -70,6 +70,7 @@ class Entry:
     reads: tuple[LazyStorage, ...]
     writes: tuple[LazyStorage, ...]
     sig: tuple                      # structural signature: op, constants, value ids, input metadata
+    source: str | None = None       # user code line that issued the op (while sources are captured)
 
 
 @dataclass

@@ -1,0 +1,249 @@
+"""Planning a step: functional graph -> partition -> emit -> compile, into one runnable `StepPlan`.
+
+A plan is built once per graph structure and then called with each step's inputs. Every failure here
+(tracing, lowering, compiling) leaves the affected ops to eager execution, warns once and is counted,
+so a plan always exists.
+"""
+from __future__ import annotations
+
+import operator
+import os
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .config import CONFIG
+from .diagnostics import log, warn_once
+from .frontend.lazy_tensor import StrictModeError
+from .frontend.replay import Program, functional_graph
+from .metrics import METRICS
+
+__all__ = ["StepPlan", "CompiledCluster", "build_plan"]
+
+
+@dataclass
+class StepPlan:
+    runner: Callable[..., list[torch.Tensor]]
+    eager_ops: Counter = field(default_factory=Counter)   # ATen op -> eager runs per execution
+    eager_sources: dict = field(default_factory=dict)     # ATen op -> user source line
+    eager_dtypes: dict = field(default_factory=dict)      # ATen op -> dtypes
+    clusters: int = 0
+
+
+class CompiledCluster(torch.nn.Module):
+    """Stands in for a cluster submodule: allocates its outputs with torch, IREE fills them.
+
+    With PYDISC_CHECK=N, every Nth call also runs the cluster's ops eagerly and compares."""
+
+    def __init__(self, name: str, compiled, emitted, device: torch.device, fallback: torch.fx.GraphModule):
+        super().__init__()
+        self.name = name
+        self.compiled = compiled
+        self.specs = [(tuple(s.shape), s.dtype) for s in emitted.outputs]
+        self.device = device
+        self.fallback = fallback
+        out_node = next(n for n in fallback.graph.nodes if n.op == "output")
+        self.single = not isinstance(out_node.args[0], (tuple, list))
+        self.output_ops = [str(getattr(a, "target", a)) for a in
+                           (out_node.args[0] if not self.single else [out_node.args[0]])]
+        self.calls = 0
+
+    def forward(self, *inputs):
+        device = self.device
+        outs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.specs]
+        self.compiled.run(inputs, outs)
+        self.calls += 1
+        if CONFIG.check_every and self.calls % CONFIG.check_every == 0:
+            self.check(inputs, outs)
+        return outs[0] if self.single else tuple(outs)
+
+    def check(self, inputs, outs) -> None:
+        """Compare with the same ops run eagerly; report the first output that diverges."""
+        METRICS.numerics_checks += 1
+        expected = self.fallback(*inputs)
+        expected = [expected] if self.single else list(expected)
+        for i, (got, want) in enumerate(zip(outs, expected)):
+            try:
+                torch.testing.assert_close(got, want, equal_nan=True, check_dtype=True,
+                                           **_tolerance(want.dtype))
+            except AssertionError as exc:
+                message = "cluster %s output %d (from %s) diverges from eager: %s" % (
+                    self.name, i, self.output_ops[i], str(exc).splitlines()[0:3])
+                METRICS.numerics_mismatches.append(message)
+                warn_once("check:" + self.name + str(i), "pydisc numerics check: " + message)
+                return
+
+
+def _tolerance(dtype: torch.dtype) -> dict:
+    if dtype in (torch.float16, torch.bfloat16):
+        return {"rtol": 2e-2, "atol": 2e-2}
+    if dtype.is_floating_point:
+        return {"rtol": 1e-4, "atol": 1e-5}
+    return {"rtol": 0, "atol": 0}
+
+
+def _dump(name: str, text: str, failure: bool = False) -> str | None:
+    folder = CONFIG.dump_dir
+    if not folder:
+        if not failure:
+            return None
+        import tempfile
+        folder = os.path.join(tempfile.gettempdir(), "pydisc-failures")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, name)
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+def build_plan(program: Program, inputs: list[torch.Tensor], device: torch.device,
+               sources: list[str | None]) -> StepPlan:
+    """Plan in a fresh thread: a read such as `.item()` reaches us from inside `__torch_dispatch__`,
+    where the dispatcher's thread-local state (autograd, functionalization excluded) would break
+    make_fx. A new thread starts with clean dispatch state and default grad mode."""
+    result: list = []
+
+    def work():
+        try:
+            result.append(_build(program, inputs, device, sources))
+        except BaseException as exc:   # re-raised in the caller's thread
+            result.append(exc)
+
+    worker = threading.Thread(target=work, name="pydisc-plan")
+    worker.start()
+    worker.join()
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
+
+
+def _eager_plan(program: Program, sources: list[str | None]) -> StepPlan:
+    ops = Counter(str(e[0]) for e in program.entries)
+    first = {}
+    for e, src in zip(program.entries, sources):
+        first.setdefault(str(e[0]), src)
+    return StepPlan(program, ops, first)
+
+
+def _build(program: Program, inputs: list[torch.Tensor], device: torch.device,
+           sources: list[str | None]) -> StepPlan:
+    from .cluster import partition_graph
+    from .exec import compile_module
+    from .frontend.decompositions import DECOMPOSITIONS
+    from .frontend.emit import emit_cluster, unsupported_reason
+
+    started = time.perf_counter()
+    step_id = METRICS.graph_cache_misses
+    try:
+        gm = functional_graph(program, inputs, DECOMPOSITIONS)
+    except Exception as exc:  # an op that torch's functionalization or fake tensors cannot trace
+        warn_once("trace:" + type(exc).__name__ + str(exc)[:80],
+                  "pydisc: could not build a functional graph for this step (%s: %s); the step runs "
+                  "eagerly. Please report this with the op that failed." % (type(exc).__name__, exc))
+        return _eager_plan(program, sources)
+    _dump("step%d_graph.txt" % step_id, gm.code)
+    if CONFIG.disable:
+        return StepPlan(gm, Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function"))
+    part = partition_graph(gm, device, unsupported_reason, CONFIG.min_cluster_ops)
+    fused = part.graph_module
+    plan = StepPlan(fused)
+
+    def note_eager(node: torch.fx.Node) -> None:
+        op = str(node.target)
+        plan.eager_ops[op] += 1
+        entry = node.meta.get("pydisc_entry")
+        if entry is not None and entry < len(sources) and sources[entry]:
+            plan.eager_sources.setdefault(op, sources[entry])
+        val = node.meta.get("val")
+        for v in (val if isinstance(val, (tuple, list)) else (val,)):
+            if isinstance(v, torch.Tensor):
+                plan.eager_dtypes.setdefault(op, set()).add(str(v.dtype).replace("torch.", ""))
+
+    for node in fused.graph.nodes:
+        if node.op == "call_function" and str(node.target) in part.eager_ops:
+            note_eager(node)
+    if CONFIG.strict and plan.eager_ops:
+        op = next(iter(plan.eager_ops))
+        raise StrictModeError("pydisc strict mode: %s cannot be compiled (%s) and would run eagerly, at %s"
+                              % (op, part.reasons.get(op, "not supported"), plan.eager_sources.get(op)))
+    METRICS.plan_seconds += time.perf_counter() - started
+    summary = ["step %d: %d clusters, %d eager ops" % (step_id, len(part.clusters), len(part.eager_ops))]
+    for reason_op, reason in sorted(part.reasons.items()):
+        summary.append("  not compiled: %s (%s)" % (reason_op, reason))
+    compile_started = time.perf_counter()
+    for k, name in enumerate(part.clusters):
+        sub = getattr(fused, name)
+        ops = [n for n in sub.graph.nodes if n.op == "call_function"]
+        op_names = [str(n.target) for n in ops]
+        if CONFIG.progress and time.perf_counter() - compile_started > 2.0:
+            print("pydisc: compiling cluster %d/%d (%d ops)..." % (k + 1, len(part.clusters), len(ops)),
+                  flush=True)
+        t0 = time.perf_counter()
+        try:
+            emitted = emit_cluster(sub)
+            _dump("step%d_%s.mlir" % (step_id, name), emitted.text)
+            compiled = compile_module(emitted.text, device)
+        except Exception as exc:
+            path = _dump("step%d_%s.failed.txt" % (step_id, name), "%s\n\n%s" % (exc, sub.code), failure=True)
+            first_line = str(exc).splitlines()[0] if str(exc) else ""
+            warn_once("cluster:" + type(exc).__name__ + first_line[:120],
+                      "pydisc: a cluster of %d ops (%s) could not be compiled and runs eagerly (%s: %s); "
+                      "IR dump: %s" % (len(ops), ", ".join(sorted(set(op_names))[:6]), type(exc).__name__,
+                                       first_line, path))
+            METRICS.compile_failures[type(exc).__name__] += 1
+            for n in ops:
+                note_eager(n)
+            summary.append("  %s: %d ops, EAGER after failure: %s" % (name, len(ops), first_line))
+            continue
+        log("compiles", "cluster %s: %d ops, %d inputs, %d outputs, %.2f s", name, len(ops),
+            len(emitted.inputs), len(emitted.outputs), time.perf_counter() - t0)
+        setattr(fused, name, CompiledCluster(name, compiled, emitted, device, sub))
+        plan.clusters += 1
+        summary.append("  %s: %d ops compiled: %s" % (name, len(ops), ", ".join(sorted(set(op_names)))))
+    METRICS.clusters += plan.clusters
+    for op, count in plan.eager_ops.most_common():
+        summary.append("  eager: %s x%d%s" % (op, count, (" at " + plan.eager_sources[op])
+                                              if op in plan.eager_sources else ""))
+    _dump("step%d_partition.txt" % step_id, "\n".join(summary) + "\n\n" + fused.code)
+    if CONFIG.dump_dir:
+        _dump("step%d_partition.dot" % step_id, _to_dot(fused))
+    log("plans", "planned step %d: %d clusters, %d eager ops, %.2f s", step_id, plan.clusters,
+        sum(plan.eager_ops.values()), time.perf_counter() - started)
+    return plan
+
+
+def _to_dot(gm: torch.fx.GraphModule) -> str:
+    """The partitioned step graph for Graphviz: compiled clusters green, eager ops orange."""
+    lines = ["digraph step {", "  node [shape=box, style=filled, fontname=monospace];"]
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            color, label = "lightgrey", node.name
+        elif node.op == "output":
+            color, label = "lightgrey", "output"
+        elif node.op == "call_module":
+            sub = getattr(gm, node.target)
+            inner = getattr(sub, "fallback", sub)
+            n_ops = sum(1 for n in inner.graph.nodes if n.op == "call_function")
+            compiled = isinstance(sub, CompiledCluster)
+            color = "palegreen" if compiled else "orange"
+            label = "%s\\n%d ops %s" % (node.target, n_ops, "compiled" if compiled else "EAGER (failed)")
+        elif node.target is operator.getitem:
+            continue
+        else:
+            color, label = "orange", str(node.target).replace("aten.", "")
+        lines.append('  "%s" [label="%s", fillcolor=%s];' % (node.name, label, color))
+    for node in gm.graph.nodes:
+        src = node
+        for user in node.users:
+            dst = user
+            while dst.op == "call_function" and dst.target is operator.getitem and dst.users:
+                dst = next(iter(dst.users))
+            if src.op == "call_function" and src.target is operator.getitem:
+                continue
+            lines.append('  "%s" -> "%s";' % (src.name, dst.name))
+    lines.append("}")
+    return "\n".join(lines) + "\n"

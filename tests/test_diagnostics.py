@@ -1,0 +1,111 @@
+"""Strict mode, the fallback ledger, the recompile explainer, dumps and the numerics check."""
+import os
+
+import pytest
+import torch
+
+import pydisc
+from pydisc.config import CONFIG
+
+
+@pytest.fixture
+def config(monkeypatch):
+    def set_(**kw):
+        for k, v in kw.items():
+            monkeypatch.setattr(CONFIG, k, v)
+    return set_
+
+
+def test_strict_mode_raises_at_the_fallback_line(config):
+    config(strict=True)
+    x = pydisc.to_lazy(torch.randn(4))
+    pydisc.mark_step()
+    with pytest.raises(pydisc.StrictModeError) as info:
+        torch.nonzero(x * 2)  # STRICT-LINE
+    assert "nonzero" in str(info.value)
+    assert "test_diagnostics.py:%d" % _line_of("STRICT-LINE") in str(info.value)
+    from pydisc.frontend.lazy_tensor import RECORDER
+    RECORDER.new_trace()
+
+
+def test_strict_mode_raises_on_read_before_mark_step(config):
+    config(strict=True)
+    x = pydisc.to_lazy(torch.randn(4))
+    y = x * 2
+    with pytest.raises(pydisc.StrictModeError, match="read before mark_step"):
+        y.sum().item()
+    from pydisc.frontend.lazy_tensor import RECORDER
+    RECORDER.new_trace()
+
+
+def test_ledger_names_op_dtype_and_source_line():
+    pydisc.reset_metrics()
+    x = pydisc.to_lazy(torch.randn(6))
+    pydisc.mark_step()
+    y = torch.special.bessel_j0(x)  # LEDGER-LINE
+    pydisc.mark_step()
+    m = pydisc.metrics()
+    op = next(k for k in m["fallback_ops"] if "bessel_j0" in k)
+    assert "test_diagnostics.py:%d" % _line_of("LEDGER-LINE") in m["fallback_sources"][op]
+    assert m["fallback_dtypes"][op] == ["float32"]
+    report = pydisc.metrics_report()
+    assert "bessel_j0" in report and "first at" in report
+    torch.testing.assert_close(y.cpu(), torch.special.bessel_j0(x.cpu()))
+
+
+def test_recompile_explainer_names_the_changed_dimension():
+    pydisc.reset_metrics()
+    w = pydisc.to_lazy(torch.randn(8, 4))
+    pydisc.mark_step()
+    for batch in (3, 3, 5):
+        out = (torch.randn(batch, 8) @ w).relu()
+        pydisc.mark_step()
+    m = pydisc.metrics()
+    assert len(m["recompiles"]) == 1
+    assert "eager input 0 changed" in m["recompiles"][0] and "(3, 8)" in m["recompiles"][0] \
+        and "(5, 8)" in m["recompiles"][0]
+    assert out.shape == (5, 4)
+
+
+def test_dump_dir_writes_graph_partition_dot_and_mlir(config, tmp_path):
+    config(dump_dir=str(tmp_path))
+    x = pydisc.to_lazy(torch.randn(4, 4))
+    y = (x.exp() + 1).sum(0)
+    pydisc.mark_step()
+    names = os.listdir(tmp_path)
+    assert any(n.endswith("_partition.txt") for n in names)
+    assert any(n.endswith("_partition.dot") for n in names)
+    assert any(n.endswith("_graph.txt") for n in names)
+    mlir = [n for n in names if n.endswith(".mlir")]
+    assert mlir and "stablehlo" in open(tmp_path / mlir[0]).read()
+    torch.testing.assert_close(y.cpu(), (x.cpu().exp() + 1).sum(0))
+
+
+def test_numerics_check_catches_a_wrong_lowering(config, monkeypatch):
+    from pydisc.frontend.lowering import registry
+    aten = torch.ops.aten
+    original = registry.LOWERINGS[aten.exp.default]
+
+    def wrong_exp(ctx, *args, **kwargs):   # exp lowered as exp(x) + exp(x): injected bug
+        v = original(ctx, *args, **kwargs)
+        return registry.LOWERINGS[aten.add.Tensor](ctx, v, v)
+
+    monkeypatch.setitem(registry.LOWERINGS, aten.exp.default, wrong_exp)
+    config(check_every=1)
+    pydisc.reset_metrics()
+    x = pydisc.to_lazy(torch.randn(5, 7))
+    y = (x * 1.25).exp() - 3     # a structure no other test compiles, so the bad rule is used
+    with pytest.warns(pydisc.PydiscWarning, match="numerics check"):
+        pydisc.mark_step()
+    m = pydisc.metrics()
+    assert m["numerics_checks"] >= 1 and m["numerics_mismatches"]
+    assert "diverges from eager" in m["numerics_mismatches"][0]
+    del y
+
+
+def _line_of(marker: str) -> int:
+    with open(__file__) as f:
+        for i, line in enumerate(f, 1):
+            if marker in line and "_line_of" not in line:
+                return i
+    raise AssertionError(marker)
