@@ -15,6 +15,7 @@ __all__ = ["METRICS", "Metrics"]
 class Metrics:
     compiles: int = 0                 # IREE compiler invocations
     cache_hits: int = 0               # compiled clusters reused instead of compiled
+    disk_cache_hits: int = 0          # of those, read from the on-disk cache (docs/cache.md)
     executions: int = 0               # runs of compiled clusters
     clusters: int = 0                 # clusters created by the partitioner (distinct graphs)
     steps: int = 0                    # mark_step calls that ran something
@@ -26,10 +27,29 @@ class Metrics:
     plan_seconds: float = 0.0         # functionalize + partition + emit on graph cache misses
     fallback_ops: Counter = field(default_factory=Counter)      # ATen op name -> eager runs
     compile_failures: Counter = field(default_factory=Counter)  # reason -> count
+    recompiles: list = field(default_factory=list)              # why a seen graph was planned again
+    fallback_sources: dict = field(default_factory=dict)        # ATen op -> first user source line
+    fallback_dtypes: dict = field(default_factory=dict)         # ATen op -> dtypes seen
+    materialization_sources: Counter = field(default_factory=Counter)  # user source line -> reads
+    numerics_checks: int = 0
+    numerics_mismatches: list = field(default_factory=list)
 
     def snapshot(self) -> dict:
-        out = {k: (dict(v) if isinstance(v, Counter) else v) for k, v in self.__dict__.items()}
+        out = {}
+        for k, v in self.__dict__.items():
+            if isinstance(v, (Counter, dict)):
+                v = {key: (sorted(map(str, val)) if isinstance(val, set) else val) for key, val in v.items()}
+            elif isinstance(v, list):
+                v = list(v)
+            out[k] = v
         return out
+
+    def note_fallback(self, op: str, count: int, dtypes=(), source: str | None = None) -> None:
+        self.fallback_ops[op] += count
+        if source and op not in self.fallback_sources:
+            self.fallback_sources[op] = source
+        if dtypes:
+            self.fallback_dtypes.setdefault(op, set()).update(str(d).replace("torch.", "") for d in dtypes)
 
     def reset(self) -> None:
         fresh = Metrics()
