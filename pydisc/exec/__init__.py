@@ -4,13 +4,19 @@ torch tensors where they live (zero-copy through DLPack; results written into ca
 from __future__ import annotations
 
 from .compiler import clear_cache, compile_module
-from .errors import CompileError, ExecutionError
+from .disk_cache import CacheInfo, DiskCache, configured_disk_cache
+from .errors import CacheDirError, CacheWarning, CompileError, ExecutionError
 from .module import CompiledModule
 from .target import Target, target_for
 
 __all__ = [
     "compile_module",
     "clear_cache",
+    "configured_disk_cache",
+    "DiskCache",
+    "CacheInfo",
+    "CacheDirError",
+    "CacheWarning",
     "CompiledModule",
     "CompileError",
     "ExecutionError",

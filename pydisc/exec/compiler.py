@@ -1,8 +1,9 @@
-"""StableHLO text -> IREE `.vmfb` -> CompiledModule, with an in-memory cache.
+"""StableHLO text -> IREE `.vmfb` -> CompiledModule, cached in memory and on disk.
 
-Two levels: compiled bytes keyed by (sha256 of the text, target flags), so a second device of the same
-kind (cuda:1 after cuda:0) compiles nothing; and loaded modules keyed by (that key, device), so a repeated
-call returns the very same CompiledModule.
+Lookup order: loaded modules keyed by (sha256 of the text, target flags, device), so a repeated call
+returns the very same CompiledModule; compiled bytes keyed by (text hash, flags), so a second device of
+the same kind (cuda:1 after cuda:0) compiles nothing; the on-disk cache (disk_cache.py), shared by
+processes; and only then the compiler, whose result is written to disk once it has loaded.
 """
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ import torch
 
 from ..config import CONFIG
 from ..metrics import METRICS, METRICS_LOCK
+from .disk_cache import DiskCache, cache_key, configured_disk_cache
 from .errors import CompileError
 from .module import CompiledModule
-from .session import session_for
+from .session import DeviceSession, session_for
 from .target import Target, target_for
 
 __all__ = ["compile_module", "clear_cache", "text_hash"]
@@ -36,7 +38,8 @@ def text_hash(text: str) -> str:
 
 
 def clear_cache() -> None:
-    """Forget every compiled module (tests; or to free memory held by loaded modules)."""
+    """Forget every compiled module held in memory (tests; or to free memory held by loaded modules).
+    The on-disk cache is left alone: `python -m pydisc.cache clear` empties it."""
     with _LOCK:
         _VMFB_CACHE.clear()
         _MODULE_CACHE.clear()
@@ -53,20 +56,45 @@ def compile_module(text: str, device: torch.device | str) -> CompiledModule:
         if module is not None:
             _count_hit()
             return module
+        name = f"module_{digest[:16]}"
         vmfb = _VMFB_CACHE.get(key)
         if vmfb is None:
-            vmfb = _compile(text, digest, target)
-            _VMFB_CACHE[key] = vmfb
+            module = _load_from_disk_or_compile(text, digest, target, session, name)
+            _VMFB_CACHE[key] = module.vmfb
         else:
             _count_hit()
-        module = CompiledModule(vmfb, session, name=f"module_{digest[:16]}")
+            module = CompiledModule(vmfb, session, name=name)
         _MODULE_CACHE[(*key, session.device)] = module
         return module
 
 
-def _count_hit() -> None:
+def _load_from_disk_or_compile(
+    text: str, digest: str, target: Target, session: DeviceSession, name: str
+) -> CompiledModule:
+    cache: DiskCache | None = configured_disk_cache()
+    disk_key = cache_key(digest, target) if cache is not None else ""
+    if cache is not None:
+        vmfb = cache.get(disk_key)  # CacheDirError for an unsafe folder: the user must fix it
+        if vmfb is not None:
+            try:
+                module = CompiledModule(vmfb, session, name=name)
+            except Exception:  # noqa: BLE001 - an intact entry this runtime cannot load: compile afresh
+                cache.discard(disk_key)
+            else:
+                _count_hit(disk=True)
+                return module
+    vmfb = _compile(text, digest, target)
+    module = CompiledModule(vmfb, session, name=name)
+    if cache is not None:  # only modules that load are worth keeping
+        cache.put(disk_key, vmfb)
+    return module
+
+
+def _count_hit(disk: bool = False) -> None:
     with METRICS_LOCK:
         METRICS.cache_hits += 1
+        if disk:
+            METRICS.disk_cache_hits += 1
 
 
 def _compile(text: str, digest: str, target: Target) -> bytes:

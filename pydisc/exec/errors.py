@@ -1,7 +1,7 @@
 """Exceptions raised by the exec layer; each message says what the caller can do next."""
 from __future__ import annotations
 
-__all__ = ["CompileError", "ExecutionError"]
+__all__ = ["CompileError", "ExecutionError", "CacheDirError", "CacheWarning"]
 
 
 class CompileError(RuntimeError):
@@ -20,3 +20,14 @@ class ExecutionError(RuntimeError):
         super().__init__(message)
         self.function = function
 
+
+class CacheDirError(RuntimeError):
+    """The on-disk compile cache folder is not safe to load executables from (or is not a folder)."""
+
+    def __init__(self, message: str, *, directory: str) -> None:
+        super().__init__(message)
+        self.directory = directory
+
+
+class CacheWarning(UserWarning):
+    """The on-disk compile cache could not be used (unwritable folder, full disk); compiling continues."""
