@@ -19,6 +19,7 @@ class Config:
     strict: bool = _env("PYDISC_STRICT") == "1"          # raise on the first fallback or forced read in a step
     log: frozenset = frozenset(x for x in _env("PYDISC_LOG").split(",") if x)   # compiles, recompiles, plans
     check_every: int = int(_env("PYDISC_CHECK", "0"))    # rerun every Nth execution of a cluster eagerly and compare
+    gc_pause: bool = _env("PYDISC_GC_PAUSE", "1") != "0"  # no cyclic GC while a step is being recorded
     progress: bool = _env("PYDISC_PROGRESS", "1") != "0"  # a line per cluster while a long compile runs
     # compiled executables shared across processes (docs/cache.md): "" = $XDG_CACHE_HOME/pydisc or
     # ~/.cache/pydisc, "off" = no disk cache; evicted least-recently-used beyond cache_max_mb

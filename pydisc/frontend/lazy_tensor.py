@@ -15,6 +15,7 @@ Running the pending trace is the job of a higher layer, which installs itself wi
 """
 from __future__ import annotations
 
+import gc
 import threading
 import weakref
 from typing import Any, Callable
@@ -93,6 +94,7 @@ class LazyTensor(torch.Tensor):
         t._real = real
         t._vid = -1
         t._epoch = -1
+        t._mk = (tuple(size), tuple(stride), offset, dtype, storage.nbytes)   # meta-cache key part
         return t
 
     @classmethod
@@ -219,8 +221,12 @@ class Recorder:
         self.foreach_rewrite: Callable | None = None
         # Source lines cost ~1-2 µs per op: captured until a step reuses a plan, again after a new plan.
         self.capture_sources = True
+        self.gc_paused = False
 
     def new_trace(self) -> Trace:
+        if self.gc_paused:
+            self.gc_paused = False
+            gc.enable()
         self.epoch += 1
         self.trace = Trace(epoch=self.epoch)
         return self.trace
@@ -262,6 +268,11 @@ class Recorder:
         # One lock serialises recording: autograd runs backward on its own thread per CUDA device, so
         # several threads legitimately record into one step; the lock keeps the trace consistent.
         with self.lock:
+            if not self.trace.entries and CONFIG.gc_pause and gc.isenabled():
+                # A step allocates thousands of small objects that all live until mark_step; letting
+                # the cyclic GC scan them (and the whole heap) as they pile up costs more than recording.
+                gc.disable()
+                self.gc_paused = True
             rewrite = self.rewrites.get(func)
             if rewrite is None and self.foreach_rewrite is not None and func.__name__.startswith("_foreach_"):
                 rewrite = self.rewrites[func] = self.foreach_rewrite
@@ -364,30 +375,10 @@ class Recorder:
         return a
 
     def meta_key(self, func, args, kwargs):
-        parts = [func]
-
-        def add(a):
-            if isinstance(a, torch.Tensor):
-                if isinstance(a, LazyTensor):
-                    parts.append((tuple(a.shape), a.stride(), a.storage_offset(), a.dtype,
-                                  a._storage.nbytes))
-                else:
-                    parts.append(("r", tuple(a.shape), a.stride(), a.storage_offset(), a.dtype, a.device.type))
-            elif isinstance(a, (list, tuple)):
-                parts.append(len(a))
-                for x in a:
-                    add(x)
-            elif isinstance(a, (float, LiftedScalar)):
-                parts.append(float)
-            else:
-                parts.append(a)
-
-        for a in args:
-            add(a)
-        for k, v in kwargs.items():
-            parts.append(k)
-            add(v)
-        return tuple(parts)
+        key = (func, tuple(map(_key_part, args)))
+        if kwargs:
+            key += tuple((k, _key_part(v)) for k, v in kwargs.items())
+        return key
 
     def compute_meta(self, func, args, kwargs):
         def to_meta(a):
@@ -482,9 +473,28 @@ class Recorder:
                                    tuple(reads), tuple(writes), tuple(sig),
                                    user_source(3) if self.capture_sources else None))
         METRICS.recorded_ops += 1
+        if self.gc_paused and len(trace.entries) > 50_000:   # a step that is never marked: collect again
+            self.gc_paused = False
+            gc.enable()
         if kind is None:
             return outs[0]
         return kind(outs)
+
+
+def _key_part(a):
+    """The part of an op's meta-cache key for one argument: what its output metadata depends on."""
+    t = type(a)
+    if t is LazyTensor:
+        return a._mk
+    if t is LiftedScalar:
+        return float          # a 0-d float32 tensor whatever its value
+    if t is list or t is tuple:
+        return (t, *map(_key_part, a))
+    if isinstance(a, torch.Tensor):
+        return ("r", tuple(a.shape), a.stride(), a.storage_offset(), a.dtype, a.device.type)
+    if t is float:
+        return (float, a)     # a constant: output sizes may depend on it (scale factors)
+    return a
 
 
 def _device_of(args, kwargs) -> torch.device:
