@@ -1,5 +1,36 @@
+import os
+import shutil
+import tempfile
+
 import pytest
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU; skipped when none is available")
+    _use_session_compile_cache()
+
+
+# The on-disk compile cache (docs/cache.md) of a test run lives in a temp folder made for the session,
+# unless PYDISC_CACHE_DIR is already set: CI stays hermetic and never touches ~/.cache/pydisc, while
+# compiled modules are still shared by the tests (and the subprocesses they start) of one session.
+_SESSION_CACHE_DIR: str | None = None
+
+
+def _use_session_compile_cache() -> None:
+    global _SESSION_CACHE_DIR
+    if "PYDISC_CACHE_DIR" in os.environ:
+        return
+    _SESSION_CACHE_DIR = tempfile.mkdtemp(prefix="pydisc-test-cache-")  # mode 0700, as pydisc requires
+    os.environ["PYDISC_CACHE_DIR"] = _SESSION_CACHE_DIR
+    # pydisc may be imported already (a sub-folder's conftest.py loaded before this hook), and its
+    # CONFIG reads the environment at import.
+    from pydisc.config import CONFIG
+
+    CONFIG.cache_dir = _SESSION_CACHE_DIR
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _SESSION_CACHE_DIR is not None:
+        if os.environ.get("PYDISC_CACHE_DIR") == _SESSION_CACHE_DIR:
+            del os.environ["PYDISC_CACHE_DIR"]
+        shutil.rmtree(_SESSION_CACHE_DIR, ignore_errors=True)
