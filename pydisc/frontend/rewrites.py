@@ -6,8 +6,9 @@
   PyTorch/XLA uploads scalars as device data.
 - `_foreach_*` ops are split into one op per tensor: the lowering rules then need no foreach variants,
   and per-tensor scalars of `ScalarList` overloads are lifted like any other.
-- `native_batch_norm` writes its running statistics without saying so in its schema; it is recorded as
-  `_native_batch_norm_legit`, whose schema declares the writes, so functionalization sees them.
+- `native_batch_norm` (and on CUDA `cudnn_batch_norm`) writes its running statistics without saying
+  so in its schema; it is recorded as `_native_batch_norm_legit`, whose schema declares the writes, so
+  functionalization sees them.
 """
 from __future__ import annotations
 
@@ -103,6 +104,37 @@ def _batch_norm(func, args, kwargs):
     return aten._native_batch_norm_legit.default(*(values[n] for n in names))
 
 
+def _cudnn_batch_norm(func, args, kwargs):
+    """On CUDA, F.batch_norm picks cudnn_batch_norm, whose schema hides its writes to the running
+    statistics too: record it as the op whose schema declares them. Its 4th output (cuDNN's reserve
+    space) is only passed back to the backward, which is rewritten below."""
+    names = ("input", "weight", "bias", "running_mean", "running_var", "training",
+             "exponential_average_factor", "epsilon")
+    v = dict(zip(names, args))
+    v.update(kwargs)
+    x, w, b, rm, rv = v["input"], v["weight"], v["bias"], v["running_mean"], v["running_var"]
+    momentum, eps = v["exponential_average_factor"], v["epsilon"]
+    if v["training"] and rm is not None:
+        out, mean, invstd = aten._native_batch_norm_legit.default(x, w, b, rm, rv, True, momentum, eps)
+    elif rm is not None:
+        out, mean, invstd = aten._native_batch_norm_legit_no_training.default(x, w, b, rm, rv, momentum, eps)
+    else:
+        out, mean, invstd = aten._native_batch_norm_legit.no_stats(x, w, b, v["training"], momentum, eps)
+    reserve = aten.new_empty.default(x, [0], dtype=torch.uint8)
+    return out, mean, invstd, reserve
+
+
+def _cudnn_batch_norm_backward(func, args, kwargs):
+    names = ("input", "grad_output", "weight", "running_mean", "running_var", "save_mean", "save_var",
+             "epsilon", "reserveSpace")
+    v = dict(zip(names, args))
+    v.update(kwargs)
+    # cuDNN's save_var holds the inverse standard deviation, as native_batch_norm's save_invstd does
+    return aten.native_batch_norm_backward.default(
+        v["grad_output"], v["input"], v["weight"], v["running_mean"], v["running_var"], v["save_mean"],
+        v["save_var"], True, v["epsilon"], [True, v["weight"] is not None, v["weight"] is not None])
+
+
 def install_rewrites() -> None:
     r = RECORDER.rewrites
     for base in ("mul", "div"):
@@ -123,3 +155,5 @@ def install_rewrites() -> None:
         r[getattr(aten, "addcdiv" + inplace).default] = _addc(aten.div.Tensor, add)
     RECORDER.foreach_rewrite = _foreach     # matched by name: aten's namespace loads ops lazily
     r[aten.native_batch_norm.default] = _batch_norm
+    r[aten.cudnn_batch_norm.default] = _cudnn_batch_norm
+    r[aten.cudnn_batch_norm_backward.default] = _cudnn_batch_norm_backward

@@ -166,3 +166,23 @@ def test_recording_from_another_thread_is_serialised():
     pydisc.mark_step()
     assert_same(y, torch.full((2,), 2.0))
     assert_same(results[0], torch.full((2,), 3.0))
+
+
+def test_cudnn_batch_norm_records_running_stat_updates():
+    # what F.batch_norm calls for CUDA tensors; the rewrite never runs the cuDNN kernel, so this runs anywhere
+    torch.manual_seed(0)
+    x = torch.randn(6, 4, 3, 3, requires_grad=True)
+    w, b = torch.rand(4, requires_grad=True), torch.rand(4, requires_grad=True)
+    rm, rv = torch.zeros(4), torch.ones(4)
+    lx, lw, lb = (pydisc.to_lazy(t.detach().clone()).requires_grad_() for t in (x, w, b))
+    lrm, lrv = lazy(rm), lazy(rv)
+    out = torch.ops.aten.cudnn_batch_norm(lx, lw, lb, lrm, lrv, True, 0.1, 1e-5)[0]
+    (out * out).sum().backward()
+    ref = torch.nn.functional.batch_norm(x, rm, rv, w, b, training=True, momentum=0.1, eps=1e-5)
+    (ref * ref).sum().backward()
+    pydisc.mark_step()
+    assert_same(out.detach(), ref.detach())
+    assert_same(lrm, rm)
+    assert_same(lrv, rv)
+    for lt, t in ((lx, x), (lw, w), (lb, b)):
+        torch.testing.assert_close(lt.grad.cpu(), t.grad, rtol=1e-4, atol=1e-5)
