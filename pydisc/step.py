@@ -24,11 +24,12 @@ __all__ = ["run_pending", "clear_plans"]
 
 
 _PLANS: dict[tuple, StepPlan] = {}
-_LAST_KEY: list = [None]        # structural key of the last step that ran, for the recompile explainer
+_SEEN_OPS: dict[tuple, tuple] = {}   # op sequence -> last structural key planned for it (recompile explainer)
 
 
 def clear_plans() -> None:
     _PLANS.clear()
+    _SEEN_OPS.clear()
 
 
 def _step_device(trace: Trace) -> torch.device:
@@ -130,12 +131,14 @@ def run_pending(target: LazyTensor | None = None, reason: str = "mark_step") -> 
         plan = _PLANS.get(key)
         if plan is None:
             sources = [trace.entries[i].source for i in executed]
-            last = _LAST_KEY[0]
-            if last is not None and last[3] and key[3] and last[3][0][0] == key[3][0][0]:
-                # same first op as the step before: most likely the same code with something changed
-                reason = explain_recompile(last, key, sources)
+            ops = tuple(sig[0] for sig in key[3])
+            seen = _SEEN_OPS.get(ops)
+            if seen is not None:
+                # the same ops as a graph planned before: say what else changed
+                reason = explain_recompile(seen, key, sources)
                 METRICS.recompiles.append(reason)
                 log("recompiles", "planning again: %s", reason)
+            _SEEN_OPS[ops] = key
             METRICS.graph_cache_misses += 1
             program = program_from_trace(trace, executed, outputs)
             plan = build_plan(program, inputs, device, sources)
@@ -144,7 +147,6 @@ def run_pending(target: LazyTensor | None = None, reason: str = "mark_step") -> 
         else:
             METRICS.graph_cache_hits += 1
             RECORDER.capture_sources = CONFIG.strict
-        _LAST_KEY[0] = key
         try:
             results = plan.runner(*inputs)
         except Exception as exc:
