@@ -24,6 +24,7 @@ class Config:
     # compiled executables shared across processes (docs/cache.md): "" = $XDG_CACHE_HOME/pydisc or
     # ~/.cache/pydisc, "off" = no disk cache; evicted least-recently-used beyond cache_max_mb
     cache_dir: str = _env("PYDISC_CACHE_DIR")
+    shape_log: str = _env("PYDISC_SHAPE_LOG")             # append each compiled cluster (python -m pydisc.precompile)
     cache_max_mb: float = float(_env("PYDISC_CACHE_MAX_MB", "2048"))
 
 

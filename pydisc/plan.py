@@ -21,6 +21,7 @@ from .diagnostics import log, warn_once
 from .frontend.lazy_tensor import StrictModeError
 from .frontend.replay import Program, functional_graph
 from .metrics import METRICS
+from .shape_log import record_cluster
 
 __all__ = ["StepPlan", "CompiledCluster", "build_plan"]
 
@@ -201,6 +202,7 @@ def _build(program: Program, inputs: list[torch.Tensor], device: torch.device,
             continue
         log("compiles", "cluster %s: %d ops, %d inputs, %d outputs, %.2f s", name, len(ops),
             len(emitted.inputs), len(emitted.outputs), time.perf_counter() - t0)
+        record_cluster(emitted.text, device)
         setattr(fused, name, CompiledCluster(name, compiled, emitted, device, sub))
         plan.clusters += 1
         summary.append("  %s: %d ops compiled: %s" % (name, len(ops), ", ".join(sorted(set(op_names)))))
