@@ -139,6 +139,12 @@ def _build(program: Program, inputs: list[torch.Tensor], device: torch.device,
 
     started = time.perf_counter()
     step_id = METRICS.graph_cache_misses
+    if CONFIG.dump_dir:
+        _dump("step%d_recorded.txt" % step_id, _program_text(program, sources))
+        from .exec import target_for
+        target = target_for(device)
+        _dump("step%d_flags.txt" % step_id, "target %s, runtime driver %s\n%s\n" % (
+            target.name, target.driver, " ".join(target.flags)))
     try:
         gm = functional_graph(program, inputs, DECOMPOSITIONS)
     except Exception as exc:  # an op that torch's functionalization or fake tensors cannot trace
@@ -216,6 +222,34 @@ def _build(program: Program, inputs: list[torch.Tensor], device: torch.device,
     log("plans", "planned step %d: %d clusters, %d eager ops, %.2f s", step_id, plan.clusters,
         sum(plan.eager_ops.values()), time.perf_counter() - started)
     return plan
+
+
+def _program_text(program: Program, sources: list[str | None]) -> str:
+    """The recorded step as the user's ops, one per line: `v12 = aten.mm.default(v3, v7)  # file:line`."""
+    from .frontend.trace import RealRef, ScalarRef, ValueRef
+
+    def show(a) -> str:
+        if isinstance(a, ValueRef):
+            return "v%d" % a.vid
+        if isinstance(a, RealRef):
+            return "eager%d" % a.index
+        if isinstance(a, ScalarRef):
+            return "scalar%d" % a.index
+        if isinstance(a, list):
+            return "[" + ", ".join(map(show, a)) + "]"
+        return repr(a)
+
+    lines = ["# inputs: %d storages, %d eager tensors, %d lifted scalars" % (
+        program.n_storages, program.n_reals, program.n_scalars)]
+    for vid, index, layout in program.inputs:
+        lines.append("v%d = input%d%s" % (vid, index, "" if layout is None else " viewed as %s" % (layout,)))
+    for i, (fn, args, kwargs, out_vids, _) in enumerate(program.entries):
+        outs = ", ".join("v%d" % v if v is not None else "_" for v in out_vids) or "_"
+        call = ", ".join([show(a) for a in args] + ["%s=%s" % (k, show(v)) for k, v in kwargs.items()])
+        source = sources[i] if i < len(sources) and sources[i] else ""
+        lines.append("%s = %s(%s)%s" % (outs, fn, call, "  # " + source if source else ""))
+    lines.append("return " + ", ".join("%s%d" % kv for kv in program.outputs))
+    return "\n".join(lines) + "\n"
 
 
 def _to_dot(gm: torch.fx.GraphModule) -> str:

@@ -76,6 +76,10 @@ def test_dump_dir_writes_graph_partition_dot_and_mlir(config, tmp_path):
     assert any(n.endswith("_partition.txt") for n in names)
     assert any(n.endswith("_partition.dot") for n in names)
     assert any(n.endswith("_graph.txt") for n in names)
+    recorded = [n for n in names if n.endswith("_recorded.txt")]
+    assert recorded and "aten.exp.default" in open(tmp_path / recorded[0]).read()
+    flags = [n for n in names if n.endswith("_flags.txt")]
+    assert flags and "--iree-hal-target-device" in open(tmp_path / flags[0]).read()
     mlir = [n for n in names if n.endswith(".mlir")]
     assert mlir and "stablehlo" in open(tmp_path / mlir[0]).read()
     torch.testing.assert_close(y.cpu(), (x.cpu().exp() + 1).sum(0))
