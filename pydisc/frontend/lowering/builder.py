@@ -128,12 +128,27 @@ class FunctionBuilder:
         self._lines: list[str] = []
         self._indent = "    "
         self._count = 0
+        # Values computed from constants only. IREE 3.13 folds a reduction of such a value wrongly on
+        # llvm-cpu (the sum of 50 ones comes out as 7: one per 8-wide vector), so `reduce` hides them
+        # behind an optimization barrier. Backward passes sum broadcast ones all the time.
+        self._constant: set[str] = set()
 
     # ---- low level -------------------------------------------------------------------------------
     def fresh(self, spec: TensorSpec) -> Value:
         value = Value(f"%{self._count}", spec)
         self._count += 1
         return value
+
+    def _derived(self, outs: Sequence[Value], operands: Sequence[Value]) -> None:
+        if operands and all(o.name in self._constant for o in operands):
+            self._constant.update(o.name for o in outs)
+
+    def _unfolded(self, x: Value) -> Value:
+        if x.name not in self._constant:
+            return x
+        out = self.fresh(x.type)
+        self.line(f"{out.name} = stablehlo.optimization_barrier {x.name} : {x.type}")
+        return out
 
     def line(self, text: str) -> None:
         self._lines.append(self._indent + text)
@@ -154,6 +169,7 @@ class FunctionBuilder:
         single = isinstance(results, TensorSpec)
         specs = [results] if single else list(results)
         outs = [self.fresh(s) for s in specs]
+        self._derived(outs, operands)
         lhs = ", ".join(o.name for o in outs)
         attr_text = ""
         if attrs:
@@ -193,6 +209,7 @@ class FunctionBuilder:
     def unary(self, name: str, x: Value, result: TensorSpec | None = None) -> Value:
         spec = result or x.type
         out = self.fresh(spec)
+        self._derived([out], [x])
         if spec == x.type:
             self.line(f"{out.name} = stablehlo.{name} {x.name} : {spec}")
         else:
@@ -201,6 +218,7 @@ class FunctionBuilder:
 
     def binary(self, name: str, x: Value, y: Value) -> Value:
         out = self.fresh(x.type)
+        self._derived([out], [x, y])
         self.line(f"{out.name} = stablehlo.{name} {x.name}, {y.name} : {x.type}")
         return out
 
@@ -213,6 +231,7 @@ class FunctionBuilder:
         else:
             kind = "SIGNED"
         out = self.fresh(x.type.with_dtype(torch.bool))
+        self._derived([out], [x, y])
         self.line(
             f"{out.name} = stablehlo.compare {direction}, {x.name}, {y.name}, {kind} : "
             f"({x.type}, {y.type}) -> {out.type}"
@@ -221,6 +240,7 @@ class FunctionBuilder:
 
     def select(self, pred: Value, on_true: Value, on_false: Value) -> Value:
         out = self.fresh(on_true.type)
+        self._derived([out], [pred, on_true, on_false])
         self.line(
             f"{out.name} = stablehlo.select {pred.name}, {on_true.name}, {on_false.name} : "
             f"{pred.type}, {on_true.type}"
@@ -232,6 +252,7 @@ class FunctionBuilder:
         """A 0-d constant."""
         out = self.fresh(TensorSpec((), dtype))
         self.line(f"{out.name} = stablehlo.constant dense<{_literal(value, dtype)}> : {out.type}")
+        self._constant.add(out.name)
         return out
 
     def literal(self, tensor: torch.Tensor) -> Value:
@@ -244,12 +265,14 @@ class FunctionBuilder:
             return _literal(values, tensor.dtype)  # type: ignore[arg-type]
 
         self.line(f"{out.name} = stablehlo.constant dense<{spell(tensor.tolist())}> : {out.type}")
+        self._constant.add(out.name)
         return out
 
     def full(self, shape: Sequence[int], value: float | int | bool, dtype: torch.dtype) -> Value:
         # Static shapes take a splat constant; a dynamic shape will broadcast a 0-d constant here.
         out = self.fresh(TensorSpec(tuple(shape), dtype))
         self.line(f"{out.name} = stablehlo.constant dense<{_literal(value, dtype)}> : {out.type}")
+        self._constant.add(out.name)
         return out
 
     def broadcast_in_dim(self, x: Value, shape: Sequence[int], dims: Sequence[int]) -> Value:
@@ -378,6 +401,7 @@ class FunctionBuilder:
     ) -> tuple[Value, ...]:
         """Variadic reduce over `dims`; `body(*accumulators, *elements)` gets 0-d values."""
         dims = sorted(set(dims))
+        xs = [self._unfolded(x) for x in xs]
         shape = tuple(d for i, d in enumerate(xs[0].shape) if i not in dims)
         scalars = [TensorSpec((), x.dtype) for x in xs]
         out = self.op(
@@ -399,6 +423,7 @@ class FunctionBuilder:
         body: Callable[..., Sequence[Value]],
         dilations: Sequence[int] | None = None,
     ) -> Value:
+        x = self._unfolded(x)
         shape = []
         for d, w, s, (lo, hi), dil in zip(x.shape, window, strides, padding, dilations or [1] * x.rank):
             span = (w - 1) * dil + 1

@@ -7,6 +7,7 @@ bfloat16 are computed in float32 and rounded once at the end, as torch's CPU ker
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import partial
 
@@ -104,6 +105,14 @@ _UNARY: dict[object, Emit] = {
     aten.cos.default: _unary("cosine"),
     aten.tan.default: _chlo("tan"),
     aten.erf.default: _chlo("erf"),
+    aten.asin.default: _chlo("asin"),
+    aten.acos.default: _chlo("acos"),
+    aten.atan.default: _chlo("atan"),
+    aten.sinh.default: _chlo("sinh"),
+    aten.cosh.default: _chlo("cosh"),
+    aten.asinh.default: _chlo("asinh"),
+    aten.acosh.default: _chlo("acosh"),
+    aten.atanh.default: _chlo("atanh"),
     aten.floor.default: _float_only("floor"),
     aten.ceil.default: _float_only("ceil"),
     aten.round.default: _float_only("round_nearest_even"),
@@ -154,13 +163,36 @@ _BINARY: dict[object, Emit] = {
     aten.bitwise_xor.Scalar: _binary("xor"),
     aten.fmod.Tensor: _binary("remainder"),
     aten.fmod.Scalar: _binary("remainder"),
-    aten.atan2.default: _binary("atan2"),
     prims.mul.default: _binary("multiply"),
     prims.add.default: _binary("add"),
     prims.sub.default: _binary("subtract"),
 }
 for _op, _emit in _BINARY.items():
     lowering(_op)(partial(_arith, emit=_emit))
+
+
+def _signbit(b: FunctionBuilder, x: Value) -> Value:
+    zero = b.full(x.shape, 0, x.dtype)
+    negative_zero = b.binary("and", b.compare("EQ", x, zero), b.compare("LT", _reciprocal(b, x), zero))
+    return b.binary("or", b.compare("LT", x, zero), negative_zero)
+
+
+def _atan2(b: FunctionBuilder, y: Value, x: Value) -> Value:
+    # IREE's atan2 gives NaN for two zeros or two infinities and loses the sign of y = -0: take its
+    # magnitude, fix those cases as C's atan2 defines them, and give the result the sign of y.
+    shape, dtype = x.shape, x.dtype
+    zero, inf = b.full(shape, 0, dtype), b.full(shape, math.inf, dtype)
+    x_negative = _signbit(b, x)
+    both_zero = b.binary("and", b.compare("EQ", y, zero), b.compare("EQ", x, zero))
+    both_inf = b.binary("and", b.compare("EQ", b.unary("abs", y), inf), b.compare("EQ", b.unary("abs", x), inf))
+    magnitude = b.unary("abs", b.binary("atan2", y, x))
+    magnitude = b.select(both_zero, b.select(x_negative, b.full(shape, math.pi, dtype), zero), magnitude)
+    corner = b.select(x_negative, b.full(shape, 0.75 * math.pi, dtype), b.full(shape, 0.25 * math.pi, dtype))
+    magnitude = b.select(both_inf, corner, magnitude)
+    return b.select(_signbit(b, y), b.unary("negate", magnitude), magnitude)
+
+
+lowering(aten.atan2.default)(partial(_arith, emit=_atan2))
 
 
 @lowering(aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.rsub.Tensor, aten.rsub.Scalar)
@@ -326,7 +358,8 @@ def _isinf(ctx: LoweringContext, x: Value) -> Value:
 _NO_F64 = (
     aten.remainder.Tensor, aten.remainder.Scalar, aten.fmod.Tensor, aten.fmod.Scalar, aten.tanh.default,
     aten.sin.default, aten.cos.default, aten.tan.default, aten.atan2.default, aten.floor_divide.default,
-    aten.div.Tensor_mode, aten.div.Scalar_mode,
+    aten.div.Tensor_mode, aten.div.Scalar_mode, aten.asin.default, aten.acos.default, aten.atan.default,
+    aten.sinh.default, aten.cosh.default, aten.asinh.default, aten.acosh.default, aten.atanh.default,
 )
 
 
