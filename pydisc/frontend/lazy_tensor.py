@@ -156,9 +156,14 @@ def to_lazy(real: torch.Tensor) -> LazyTensor:
 # Schema facts per op, computed once.
 
 class OpInfo:
-    __slots__ = ("returns", "written_args", "needs_eager", "is_view")
+    __slots__ = ("name", "returns", "written_args", "needs_eager", "is_view", "rewrite")
 
     def __init__(self, func) -> None:
+        # OpOverload hashes in Python: everything per op is looked up once by id() and kept here.
+        self.name = str(func)
+        self.rewrite = RECORDER.rewrites.get(func)
+        if self.rewrite is None and RECORDER.foreach_rewrite is not None and func.__name__.startswith("_foreach_"):
+            self.rewrite = RECORDER.foreach_rewrite
         schema = func._schema
         sets: dict[str, tuple[int, str]] = {}
         written = []
@@ -192,13 +197,13 @@ _EAGER_OPS = {
     aten.resize_.default, aten.t_.default, aten.transpose_.default, aten.squeeze_.default,
     aten.unsqueeze_.default, aten.as_strided_.default, aten._has_compatible_shallow_copy_type.default,
 }
-_OPINFO: dict[Any, OpInfo] = {}
+_OPINFO: dict[int, OpInfo] = {}    # id(OpOverload) -> facts; overloads live as long as the process
 
 
 def _opinfo(func) -> OpInfo:
-    info = _OPINFO.get(func)
+    info = _OPINFO.get(id(func))
     if info is None:
-        info = _OPINFO[func] = OpInfo(func)
+        info = _OPINFO[id(func)] = OpInfo(func)
     return info
 
 
@@ -273,14 +278,11 @@ class Recorder:
                 # the cyclic GC scan them (and the whole heap) as they pile up costs more than recording.
                 gc.disable()
                 self.gc_paused = True
-            rewrite = self.rewrites.get(func)
-            if rewrite is None and self.foreach_rewrite is not None and func.__name__.startswith("_foreach_"):
-                rewrite = self.rewrites[func] = self.foreach_rewrite
-            if rewrite is not None:
-                result = rewrite(func, args, kwargs)
+            info = _opinfo(func)
+            if info.rewrite is not None:
+                result = info.rewrite(func, args, kwargs)
                 if result is not NotImplemented:
                     return result
-            info = _opinfo(func)
             if info.needs_eager:
                 return self.run_eager(func, args, kwargs, info, fallback=func not in _READ_OPS)
             if self.writes_eager_tensor(args, kwargs, info):
@@ -352,30 +354,30 @@ class Recorder:
 
     # ---- recording -------------------------------------------------------------------------------
     def encode(self, a, sig: list, reads: list):
-        if isinstance(a, LazyTensor):
-            r = self.ref(a)
-            sig.append(("v", r.vid))
+        t = type(a)
+        if t is LazyTensor:
+            vid = a._vid if a._epoch == self.trace.epoch else self.ref(a).vid
+            sig.append(("v", vid))
             reads.append(a._storage)
-            return r
+            return ValueRef(vid)
+        if t is float:
+            sig.append(("f", a))   # a constant: floats that vary per step are lifted by a rewrite
+            return a
+        if t is list or t is tuple:
+            sig.append(("list", len(a)))
+            return [self.encode(x, sig, reads) for x in a]
+        if t is LiftedScalar:
+            sig.append("scalar")
+            return self.trace.add_scalar(a.value)
         if isinstance(a, torch.Tensor):
             r = self.trace.add_real_input(a)
             sig.append(("r", r.index))
             return r
-        if isinstance(a, LiftedScalar):
-            sig.append("scalar")
-            return self.trace.add_scalar(a.value)
-        if isinstance(a, (list, tuple)):
-            sig.append(("list", len(a)))
-            return [self.encode(x, sig, reads) for x in a]
-        if isinstance(a, float):
-            # keyed by value: a float that varies from step to step should be lifted by a rewrite
-            sig.append(("f", a))
-        else:
-            sig.append(a)
+        sig.append(a)
         return a
 
     def meta_key(self, func, args, kwargs):
-        key = (func, tuple(map(_key_part, args)))
+        key = (id(func), tuple(map(_key_part, args)))
         if kwargs:
             key += tuple((k, _key_part(v)) for k, v in kwargs.items())
         return key
@@ -424,7 +426,7 @@ class Recorder:
         kind, descs = meta
         device = _device_of(args, kwargs)
         trace = self.trace
-        sig: list = [func]
+        sig: list = [info.name]
         reads: list = []
         enc_args = [self.encode(a, sig, reads) for a in args]
         enc_kwargs = {}
