@@ -92,9 +92,14 @@ class CharVocab:
         return "".join(self.tokens[int(i)] for i in ids)
 
 
-def load_digits_32(test_fraction: float = 0.2, seed: int = 0):
+def load_digits_32(test_fraction: float = 0.2, seed: int = 0, dither: float = 0.02):
     """scikit-learn's 1797 8x8 digits, normalized with the training statistics and bilinearly upsampled
-    to 32x32: (train_x, train_y, test_x, test_y), images shaped (N, 1, 32, 32)."""
+    to 32x32: (train_x, train_y, test_x, test_y), images shaped (N, 1, 32, 32).
+
+    `dither` adds fixed Gaussian noise of that standard deviation. Without it the blank background is
+    exactly constant, so max pooling sees exact ties whose winner (and so where the gradient goes)
+    depends on the last bit of the convolution before it: two correct implementations that round
+    differently then train measurably differently from the first step."""
     from sklearn.datasets import load_digits
 
     digits = load_digits()
@@ -104,6 +109,8 @@ def load_digits_32(test_fraction: float = 0.2, seed: int = 0):
     images = torch.from_numpy(digits.images.astype(np.float32)).unsqueeze(1)
     mean, std = images[train].mean(), images[train].std()
     images = F.interpolate((images - mean) / std, size=(32, 32), mode="bilinear", align_corners=False)
+    if dither:
+        images = images + dither * torch.randn(images.shape, generator=torch.Generator().manual_seed(seed))
     labels = torch.from_numpy(digits.target.astype(np.int64))
     return images[train], labels[train], images[test], labels[test]
 
