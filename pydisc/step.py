@@ -102,67 +102,78 @@ def _select_outputs(trace: Trace, executed: list[int], remaining: list[int]) -> 
 
 
 def run_pending(target: LazyTensor | None = None, reason: str = "mark_step") -> None:
-    """Run the pending trace (all of it, or what `target` needs) and bind the results."""
+    """Run the pending trace (all of it, or what `target` needs) and bind the results.
+
+    If that fails (an error in the user's own op, an eager input changed under the step, an
+    interrupt), the pending step is abandoned: lazy tensors keep the values of the last completed step,
+    results of the abandoned one can no longer be read, and the next step starts clean."""
     with RECORDER.lock:
-        trace = RECORDER.trace
-        if not trace.entries:
+        if not RECORDER.trace.entries:
             return
-        trace.check_real_inputs()
-        n = len(trace.entries)
-        if target is None:
-            executed = list(range(n))
-        else:
-            executed = _needed_entries(trace, target._storage)
-        executed_set = set(executed)
-        remaining = [i for i in range(n) if i not in executed_set]
-        outputs = _select_outputs(trace, executed, remaining)
-        key = (
-            tuple((t.numel(), t.dtype, t.device) for t in trace.storage_inputs),
-            tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in trace.real_inputs),
-            tuple(v for v in trace.values if v[0] == "in"),
-            tuple(trace.entries[i].sig for i in executed),
-            len(trace.scalars),
-            outputs,
-        )
-        device = _step_device(trace)
-        inputs = list(trace.storage_inputs) + list(trace.real_inputs)
-        if trace.scalars:
-            inputs.append(torch.tensor(trace.scalars, dtype=torch.float32, device=device))
-        plan = _PLANS.get(key)
-        if plan is None:
-            sources = [trace.entries[i].source for i in executed]
-            ops = tuple(sig[0] for sig in key[3])
-            seen = _SEEN_OPS.get(ops)
-            if seen is not None:
-                # the same ops as a graph planned before: say what else changed
-                reason = explain_recompile(seen, key, sources)
-                METRICS.recompiles.append(reason)
-                log("recompiles", "planning again: %s", reason)
-            _SEEN_OPS[ops] = key
-            METRICS.graph_cache_misses += 1
-            program = program_from_trace(trace, executed, outputs)
-            plan = build_plan(program, inputs, device, sources)
-            _PLANS[key] = plan
-            RECORDER.capture_sources = True
-        else:
-            METRICS.graph_cache_hits += 1
-            RECORDER.capture_sources = CONFIG.strict
         try:
-            results = plan.runner(*inputs)
-        except Exception as exc:
-            if isinstance(plan.runner, Program):
-                raise  # eager execution failed: the user's own op raised, as it would without pydisc
-            warn_once("run:" + type(exc).__name__,
-                      "pydisc: running a compiled step failed (%s: %s); this graph runs eagerly from "
-                      "now on" % (type(exc).__name__, exc))
-            METRICS.compile_failures["runtime:" + type(exc).__name__] += 1
-            program = program_from_trace(trace, executed, outputs)
-            plan = _PLANS[key] = StepPlan(program, Counter(str(e[0]) for e in program.entries))
-            results = program(*inputs)
-        METRICS.steps += 1
-        for op, count in plan.eager_ops.items():
-            METRICS.note_fallback(op, count, plan.eager_dtypes.get(op, ()), plan.eager_sources.get(op))
-        _bind(trace, outputs, results, executed, remaining)
+            _run(RECORDER.trace, target)
+        except BaseException:
+            RECORDER.new_trace()
+            raise
+
+
+def _run(trace: Trace, target: LazyTensor | None) -> None:
+    n = len(trace.entries)
+    if target is None:
+        executed = list(range(n))
+    else:
+        executed = _needed_entries(trace, target._storage)
+    trace.check_real_inputs(executed)
+    executed_set = set(executed)
+    remaining = [i for i in range(n) if i not in executed_set]
+    outputs = _select_outputs(trace, executed, remaining)
+    key = (
+        tuple((t.numel(), t.dtype, t.device) for t in trace.storage_inputs),
+        tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in trace.real_inputs),
+        tuple(v for v in trace.values if v[0] == "in"),
+        tuple(trace.entries[i].sig for i in executed),
+        len(trace.scalars),
+        outputs,
+    )
+    device = _step_device(trace)
+    inputs = list(trace.storage_inputs) + list(trace.real_inputs)
+    if trace.scalars:
+        inputs.append(torch.tensor(trace.scalars, dtype=torch.float32, device=device))
+    plan = _PLANS.get(key)
+    if plan is None:
+        sources = [trace.entries[i].source for i in executed]
+        ops = tuple(sig[0] for sig in key[3])
+        seen = _SEEN_OPS.get(ops)
+        if seen is not None:
+            # the same ops as a graph planned before: say what else changed
+            reason = explain_recompile(seen, key, sources)
+            METRICS.recompiles.append(reason)
+            log("recompiles", "planning again: %s", reason)
+        _SEEN_OPS[ops] = key
+        METRICS.graph_cache_misses += 1
+        program = program_from_trace(trace, executed, outputs)
+        plan = build_plan(program, inputs, device, sources)
+        _PLANS[key] = plan
+        RECORDER.capture_sources = True
+    else:
+        METRICS.graph_cache_hits += 1
+        RECORDER.capture_sources = CONFIG.strict
+    try:
+        results = plan.runner(*inputs)
+    except Exception as exc:
+        if isinstance(plan.runner, Program):
+            raise  # eager execution failed: the user's own op raised, as it would without pydisc
+        warn_once("run:" + type(exc).__name__,
+                  "pydisc: running a compiled step failed (%s: %s); this graph runs eagerly from "
+                  "now on" % (type(exc).__name__, exc))
+        METRICS.compile_failures["runtime:" + type(exc).__name__] += 1
+        program = program_from_trace(trace, executed, outputs)
+        plan = _PLANS[key] = StepPlan(program, Counter(str(e[0]) for e in program.entries))
+        results = program(*inputs)
+    METRICS.steps += 1
+    for op, count in plan.eager_ops.items():
+        METRICS.note_fallback(op, count, plan.eager_dtypes.get(op, ()), plan.eager_sources.get(op))
+    _bind(trace, outputs, results, executed, remaining)
 
 
 def _as_layout(val: torch.Tensor, size, stride) -> torch.Tensor:

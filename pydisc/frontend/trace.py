@@ -123,10 +123,16 @@ class Trace:
         self.scalars.append(float(value))
         return ScalarRef(len(self.scalars) - 1)
 
-    def check_real_inputs(self) -> None:
+    def check_real_inputs(self, entry_indices: list[int]) -> None:
         """Eager tensors are captured by reference: writing into one after a lazy op read it would make the
-        lazy result silently wrong, so refuse loudly."""
-        for t, version in zip(self.real_inputs, self.real_versions):
+        lazy result silently wrong, so refuse loudly. Only the tensors the entries about to run read."""
+        used = set()
+        for i in entry_indices:
+            for part in self.entries[i].sig:
+                if type(part) is tuple and len(part) == 2 and part[0] == "r":
+                    used.add(part[1])
+        for index in used:
+            t, version = self.real_inputs[index], self.real_versions[index]
             if t._version != version:
                 raise RuntimeError(
                     "pydisc: an eager tensor of shape %s was modified in place after a lazy op used it in "

@@ -427,9 +427,6 @@ def _run_isolated(code: str) -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
-@pytest.mark.xfail(strict=True, reason="bug: after a partial run (a read before mark_step) the in-place check "
-                   "still covers eager tensors that only the already-executed part used; GradScaler.update() "
-                   "then fails the step whenever any unrelated op (e.g. a parameter clone) is still pending")
 def test_eager_input_modified_after_its_consumer_already_ran() -> None:
     _run_isolated("""
         import torch, pydisc
@@ -443,8 +440,6 @@ def test_eager_input_modified_after_its_consumer_already_ran() -> None:
     """)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: when mark_step raises (eager input modified in place), the "
-                   "recorded step is kept, so every later mark_step in the process raises the same error")
 def test_failed_step_does_not_poison_later_steps() -> None:
     _run_isolated("""
         import torch, pydisc
