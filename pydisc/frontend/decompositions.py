@@ -56,6 +56,23 @@ _EXTRA: list[OpOverload | OpOverloadPacket] = [
     aten.select_scatter,
     aten.baddbmm,
     aten.cumsum,
+    # Found missing by the OpInfo sweep (tests/opinfo): torch decomposes them into ops we lower.
+    aten.diagonal_scatter,
+    aten.diagonal_copy,
+    aten.upsample_nearest1d,
+    aten.upsample_nearest2d,
+    aten.upsample_nearest3d,
+    aten._upsample_nearest_exact2d,
+    aten.upsample_linear1d,
+    aten.upsample_bilinear2d,
+    aten.upsample_trilinear3d,
+    aten.grid_sampler_2d,
+    aten.native_group_norm,
+    aten.native_group_norm_backward,
+    aten.roll,
+    aten.as_strided_scatter,
+    aten.im2col,
+    aten.col2im,
 ]
 
 

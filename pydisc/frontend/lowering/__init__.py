@@ -8,6 +8,7 @@ from pydisc.frontend.lowering import (  # noqa: F401  (imported for their regist
     nn,
     reductions,
     shape,
+    sorting,
 )
 from pydisc.frontend.lowering.builder import FunctionBuilder, TensorSpec, Value
 from pydisc.frontend.lowering.registry import LOWERINGS, LoweringContext, LoweringError, lowering

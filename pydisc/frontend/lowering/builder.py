@@ -144,11 +144,7 @@ class FunctionBuilder:
             self._constant.update(o.name for o in outs)
 
     def _unfolded(self, x: Value) -> Value:
-        if x.name not in self._constant:
-            return x
-        out = self.fresh(x.type)
-        self.line(f"{out.name} = stablehlo.optimization_barrier {x.name} : {x.type}")
-        return out
+        return self._unfolded_always(x) if x.name in self._constant else x
 
     def line(self, text: str) -> None:
         self._lines.append(self._indent + text)
@@ -245,6 +241,18 @@ class FunctionBuilder:
             f"{out.name} = stablehlo.select {pred.name}, {on_true.name}, {on_false.name} : "
             f"{pred.type}, {on_true.type}"
         )
+        return out
+
+    def fresh_copy(self, x: Value) -> Value:
+        """`x` computed into a new buffer. IREE 3.13 runs in-place ops (scatter, sort) directly on the
+        buffer of a function argument, i.e. it writes into a cluster's input; adding a zero that it
+        cannot fold (-0.0 keeps every float, signed zeros included) makes the operand a temporary."""
+        zero = self._unfolded_always(self.full(x.shape, False if x.dtype == torch.bool else (-0.0 if x.dtype.is_floating_point else 0), x.dtype))
+        return self.binary("or" if x.dtype == torch.bool else "add", x, zero)
+
+    def _unfolded_always(self, x: Value) -> Value:
+        out = self.fresh(x.type)
+        self.line(f"{out.name} = stablehlo.optimization_barrier {x.name} : {x.type}")
         return out
 
     # ---- constants and shapes ---------------------------------------------------------------------
@@ -381,6 +389,8 @@ class FunctionBuilder:
         shape = (
             [lhs.shape[d] for d in batch[0]] + [lhs.shape[d] for d in lhs_free] + [rhs.shape[d] for d in rhs_free]
         )
+        if any(lhs.shape[d] == 0 for d in contract[0]):  # an empty sum; IREE 3.13 crashes compiling it
+            return self.full(shape, 0, out_dtype)
         dims = (
             "#stablehlo.dot<"
             f"lhs_batching_dimensions = [{', '.join(map(str, batch[0]))}], "

@@ -149,7 +149,7 @@ def scatter(
 
     return b.op(
         "stablehlo.scatter",
-        [x, coords, updates],
+        [b.fresh_copy(x), coords, updates],
         x.type,
         {"scatter_dimension_numbers": numbers, "indices_are_sorted": "false", "unique_indices": "false"},
         regions=[b.block([scalar, scalar], body)],
@@ -188,6 +188,8 @@ def _as_strided(ctx: LoweringContext, x: Value, size: Sequence[int], stride: Seq
     """A strided view of a contiguous tensor: gather the flat positions offset + sum(i_d * stride_d)."""
     b = ctx.builder
     shape = ctx.out_spec.shape
+    if ctx.out_spec.numel == 0:
+        return b.full(shape, 0, x.dtype)
     flat = b.reshape(x, (x.type.numel,))
     position = b.full(shape, int(storage_offset or 0), torch.int64)
     for d, step in enumerate(stride):
@@ -205,6 +207,6 @@ def _as_strided_check(node: torch.fx.Node) -> str | None:
     source = node.args[0].meta["val"]  # type: ignore[union-attr]
     if not source.is_contiguous() or source.storage_offset() != 0:
         return "as_strided of a non-contiguous tensor"
-    if source.numel() == 0 or node.meta["val"].numel() == 0:
+    if source.numel() == 0 and node.meta["val"].numel() != 0:
         return "as_strided of an empty tensor"
     return None
