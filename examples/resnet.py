@@ -1,14 +1,16 @@
 """Train a ResNet-18-style CNN on handwritten digits upsampled to 32x32, pydisc and eager side by side.
 
-The data is scikit-learn's 8x8 digits (shipped with scikit-learn), normalized and bilinearly upsampled to
-32x32 (examples/_data.py). The network has ResNet-18's layout: a 3x3 stem with BatchNorm, ReLU and a
-3x3/2 max pool, four stages of two basic residual blocks (3x3 convs, BatchNorm, ReLU, a 1x1 conv +
-BatchNorm shortcut where the shape changes), adaptive average pooling and a linear classifier; its width
-is `--width` (ResNet-18 proper: 64; default 16 so that it trains in a minute on two CPU cores). SGD with
-Nesterov momentum and weight decay, OneCycleLR (which also cycles the momentum every step: learning rate
-and momentum are step inputs in pydisc, so this does not recompile). Batches have one size (the last
-partial batch of an epoch is dropped) and so does evaluation (the test set in equal chunks), so the
-training step compiles twice (before and after the momentum buffers exist) and evaluation once.
+The data is scikit-learn's 8x8 digits (shipped with scikit-learn), normalized, bilinearly upsampled to
+32x32 and dithered with a little fixed noise (examples/_data.py: exact ties in the blank background
+would make max pooling's gradient depend on last-bit rounding). The network has ResNet-18's layout: a
+3x3 stem with BatchNorm, ReLU and a 3x3/2 max pool, four stages of two basic residual blocks (3x3 convs,
+BatchNorm, ReLU, a 1x1 conv + BatchNorm shortcut where the shape changes), adaptive average pooling and
+a linear classifier; its width is `--width` (ResNet-18 proper: 64; default 16 so that it trains in a
+minute or two on two CPU cores). SGD with Nesterov momentum and weight decay, OneCycleLR (which also
+cycles the momentum every step: learning rate and momentum are step inputs in pydisc, so this does not
+recompile). Batches have one size (the last partial batch of an epoch is dropped) and so does evaluation
+(the test set in equal chunks), so the training step compiles twice (before and after the momentum
+buffers exist) and evaluation once.
 
 Exit status: 1 when the first 10 steps' losses differ by more than 1e-3 relative, or the test accuracies
 differ by more than two points. (As in examples/mnist.py, rounding differences may grow into different,

@@ -418,6 +418,19 @@ def test_checkpoint_mid_training_continues_like_eager(tmp_path) -> None:
 
 
 # ---- bugs found by these tests (minimal repros) ------------------------------------------------
+
+@pytest.mark.xfail(strict=True, reason="bug: an eager input that is a view into a larger tensor is keyed by its "
+                   "storage size and offset, so the usual `data[i:i + b]` batch loop plans again at every offset")
+def test_slices_of_one_eager_tensor_reuse_the_plan() -> None:
+    model = pydisc.lazy(nn.Linear(IN, CLASSES))
+    dataset = torch.randn(4 * BATCH, IN)
+    pydisc.reset_metrics()
+    with torch.no_grad():
+        for i in range(4):
+            out = model(dataset[i * BATCH:(i + 1) * BATCH])   # same shape, offsets 0, 8, 16, 24
+            pydisc.mark_step()
+    assert pydisc.metrics()["graph_cache_misses"] == 1      # today: 4, one plan per offset
+
 # Each repro runs in a fresh interpreter: while the bug exists, a failed step stays recorded and would
 # fail every later test of the session (see the second repro).
 
