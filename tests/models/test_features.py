@@ -431,8 +431,8 @@ def test_slices_of_one_eager_tensor_reuse_the_plan() -> None:
             pydisc.mark_step()
     assert pydisc.metrics()["graph_cache_misses"] == 1      # today: 4, one plan per offset
 
-# Each repro runs in a fresh interpreter: while the bug exists, a failed step stays recorded and would
-# fail every later test of the session (see the second repro).
+# The two repros below (fixed in 23e81cb) run in a fresh interpreter: should they regress, a failed
+# step that stays recorded would fail every later test of the session instead of just these.
 
 def _run_isolated(code: str) -> None:
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
