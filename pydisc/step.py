@@ -198,6 +198,7 @@ def _bind(trace: Trace, outputs: tuple, results: list[torch.Tensor], executed: l
             storage = trace.input_storages[index]
             if val.data_ptr() != storage.real.data_ptr():
                 storage.real.copy_(val.reshape(storage.real.shape))
+            trace.storage_versions[index] = storage.real._version   # our own write, not the user's
         else:
             storage = trace.storages[index]
             size, stride, offset, dtype = trace.metas[index]
@@ -226,6 +227,7 @@ def _bind(trace: Trace, outputs: tuple, results: list[torch.Tensor], executed: l
             storage.input_index = len(trace.storage_inputs)
             trace.storage_inputs.append(storage.real)
             trace.input_storages.append(storage)
+            trace.storage_versions.append(storage.real._version)
         trace.values[vid] = ("in", storage.input_index, trace.metas[vid][:3])
         storage.creator = None
     for s in touched:

@@ -255,6 +255,7 @@ class Recorder:
             storage.input_index = len(trace.storage_inputs)
             trace.storage_inputs.append(storage.real)
             trace.input_storages.append(storage)
+            trace.storage_versions.append(storage.real._version)
         layout = (tuple(t.shape), t.stride(), t.storage_offset())
         vid = trace.new_value(("in", storage.input_index, layout), storage, layout + (t.dtype,))
         t._vid = vid
@@ -323,6 +324,13 @@ class Recorder:
                 raise StrictModeError("pydisc strict mode: %s has no compiled form and would run eagerly, "
                                       "at %s" % (func, source))
             METRICS.note_fallback(str(func), 1, {a.dtype for a in args if isinstance(a, torch.Tensor)}, source)
+        for i, name in info.written_args:
+            a = _arg(args, kwargs, i, name)
+            for x in (a if isinstance(a, (list, tuple)) else (a,)):
+                if isinstance(x, LazyTensor) and x._storage.epoch == self.trace.epoch and self.trace.entries:
+                    # pending ops may read this memory: run them before an eager op writes into it
+                    self.executor(None, "eager write")
+                    break
         real_args = tuple(unwrap(a) for a in args)
         real_kwargs = {k: unwrap(v) for k, v in kwargs.items()}
         out = func(*real_args, **real_kwargs)

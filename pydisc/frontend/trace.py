@@ -81,6 +81,7 @@ class Trace:
     values: list[tuple] = field(default_factory=list)
     storage_inputs: list[torch.Tensor] = field(default_factory=list)  # device data of each input storage
     input_storages: list[LazyStorage] = field(default_factory=list)   # the storages themselves
+    storage_versions: list[int] = field(default_factory=list)         # their version counters at capture
     real_inputs: list[torch.Tensor] = field(default_factory=list)
     real_versions: list[int] = field(default_factory=list)
     real_index: dict[int, int] = field(default_factory=dict)      # id(tensor) -> index
@@ -131,6 +132,14 @@ class Trace:
             for part in self.entries[i].sig:
                 if type(part) is tuple and len(part) == 2 and part[0] == "r":
                     used.add(part[1])
+            for storage in self.entries[i].reads:
+                index = storage.input_index
+                if storage.epoch == self.epoch and index >= 0 and \
+                        self.storage_inputs[index]._version != self.storage_versions[index]:
+                    raise RuntimeError(
+                        "pydisc: a tensor handed to pydisc without a copy (a module input, or "
+                        "pydisc.to_lazy) was modified in place by eager code after a lazy op used it in "
+                        "this step. Pass a copy (`t.clone()`), or call pydisc.mark_step() before modifying it.")
         for index in used:
             t, version = self.real_inputs[index], self.real_versions[index]
             if t._version != version:

@@ -186,3 +186,37 @@ def test_cudnn_batch_norm_records_running_stat_updates():
     assert_same(lrv, rv)
     for lt, t in ((lx, x), (lw, w), (lb, b)):
         torch.testing.assert_close(lt.grad.cpu(), t.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_eager_inplace_fallback_runs_pending_readers_first(monkeypatch):
+    # an in-place op with no meta kernel runs eagerly on the device data; pending ops that read the
+    # old value must run before it writes
+    original = RECORDER.compute_meta
+
+    def no_meta_for_clamp(func, args, kwargs):
+        if func is torch.ops.aten.clamp_.default:
+            raise NotImplementedError("no meta kernel")
+        return original(func, args, kwargs)
+
+    monkeypatch.setattr(RECORDER, "compute_meta", no_meta_for_clamp)
+    x = lazy(torch.arange(4.0))
+    pydisc.mark_step()
+    y = x * 2                            # pending, reads x
+    pydisc.reset_metrics()
+    x.clamp_(min=1.5, max=2.5)
+    assert pydisc.metrics()["fallback_ops"] == {"aten.clamp_.default": 1}
+    z = x + 1
+    pydisc.mark_step()
+    assert_same(y, torch.arange(4.0) * 2)
+    assert_same(x, torch.tensor([1.5, 1.5, 2.0, 2.5]))
+    assert_same(z, torch.tensor([2.5, 2.5, 3.0, 3.5]))
+
+
+def test_wrapped_tensor_modified_by_eager_code_is_refused():
+    base = torch.ones(3)
+    x = pydisc.to_lazy(base)             # no copy: pydisc reads `base` at mark_step
+    y = x + 1
+    base.mul_(5)
+    with pytest.raises(RuntimeError, match="without a copy"):
+        pydisc.mark_step()
+    del y

@@ -419,8 +419,6 @@ def test_checkpoint_mid_training_continues_like_eager(tmp_path) -> None:
 
 # ---- bugs found by these tests (minimal repros) ------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="bug: an eager input that is a view into a larger tensor is keyed by its "
-                   "storage size and offset, so the usual `data[i:i + b]` batch loop plans again at every offset")
 def test_slices_of_one_eager_tensor_reuse_the_plan() -> None:
     model = pydisc.lazy(nn.Linear(IN, CLASSES))
     dataset = torch.randn(4 * BATCH, IN)
