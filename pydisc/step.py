@@ -152,7 +152,13 @@ def _run(trace: Trace, target: LazyTensor | None) -> None:
         _SEEN_OPS[ops] = key
         METRICS.graph_cache_misses += 1
         program = program_from_trace(trace, executed, outputs)
-        plan = build_plan(program, inputs, device, sources)
+        try:
+            plan = build_plan(program, inputs, device, sources)
+        except KeyboardInterrupt:
+            # Ctrl-C during a long compile: finish this step eagerly, so that everything it made
+            # (optimizer state included) holds data, then stop as asked.
+            _bind(trace, outputs, program(*inputs), executed, remaining)
+            raise
         _PLANS[key] = plan
         RECORDER.capture_sources = True
     else:

@@ -108,6 +108,20 @@ class LazyTensor(torch.Tensor):
     def __format__(self, spec: str) -> str:
         return format(materialize(self, reason="format"), spec)
 
+    # aten::matmul of a 1-D operand ends in an in-place squeeze_, which a wrapper tensor cannot
+    # follow; the operator form computes it out of place.
+    def __matmul__(self, other):
+        return _matmul(self, other)
+
+    def __rmatmul__(self, other):
+        return _matmul(other, self)
+
+    def matmul(self, other):
+        return _matmul(self, other)
+
+    def data_ptr(self) -> int:
+        return materialize(self, reason="data_ptr").data_ptr()
+
     def tolist(self):
         return materialize(self, reason="tolist").tolist()
 
@@ -136,6 +150,16 @@ class LazyTensor(torch.Tensor):
             out = torch.nn.Parameter(out, requires_grad=self.requires_grad)
         memo[id(self)] = out
         return out
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if a.dim() == 1 and b.dim() == 1:
+        return torch.dot(a, b)
+    if a.dim() == 1:
+        return torch.matmul(a.unsqueeze(0), b).squeeze(-2)
+    if b.dim() == 1:
+        return torch.matmul(a, b.unsqueeze(-1)).squeeze(-1)
+    return torch.matmul(a, b)
 
 
 def is_lazy(t: Any) -> bool:
@@ -194,8 +218,7 @@ _EAGER_OPS = {
     aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default, aten.allclose.default,
     aten.nonzero.default, aten._unique2.default, aten.masked_select.default,
     aten.view.dtype, aten.set_.source_Storage_storage_offset, aten.set_.source_Tensor,
-    aten.resize_.default, aten.t_.default, aten.transpose_.default, aten.squeeze_.default,
-    aten.unsqueeze_.default, aten.as_strided_.default, aten._has_compatible_shallow_copy_type.default,
+    aten.resize_.default, aten.as_strided_.default, aten._has_compatible_shallow_copy_type.default,
 }
 _OPINFO: dict[int, OpInfo] = {}    # id(OpOverload) -> facts; overloads live as long as the process
 
@@ -344,7 +367,7 @@ class Recorder:
                 src = _arg(args, kwargs, plan[1], plan[2])
                 if plan[0] == "write" and isinstance(src, LazyTensor):
                     return src
-                if isinstance(src, LazyTensor) and o.untyped_storage().data_ptr() == \
+                if isinstance(src, LazyTensor) and o.dtype == src.dtype and o.untyped_storage().data_ptr() == \
                         src._storage.real.untyped_storage().data_ptr():
                     return LazyTensor(tuple(o.shape), o.stride(), o.storage_offset(), o.dtype, o.device,
                                       src._storage, real=o)
@@ -432,6 +455,14 @@ class Recorder:
                 return self.run_eager(func, args, kwargs, info, fallback=True)
             self.meta_cache[key] = meta
         kind, descs = meta
+        if info.is_view:
+            for j, d in enumerate(descs):
+                plan = info.returns[min(j, len(info.returns) - 1)] if info.returns else None
+                if d is not None and plan is not None and plan[0] == "view" and \
+                        d[3] != _arg(args, kwargs, plan[1], plan[2]).dtype:
+                    # a view that reinterprets the bytes (view(dtype), view_as_real): storages here
+                    # hold one dtype, so the view is taken of the device data, as an eager op
+                    return self.run_eager(func, args, kwargs, info, fallback=True)
         device = _device_of(args, kwargs)
         trace = self.trace
         sig: list = [info.name]

@@ -23,7 +23,9 @@ _LIFTABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _liftable(t, value) -> bool:
-    return isinstance(t, LazyTensor) and t.dtype in _LIFTABLE_DTYPES and type(value) is float
+    # a 0-d half tensor times a 0-d float32 tensor would promote to float32, unlike times a Python float
+    return isinstance(t, LazyTensor) and type(value) is float and \
+        (t.dtype is torch.float32 or (t.dtype in _LIFTABLE_DTYPES and t.dim() > 0))
 
 
 def _record(func, *args, **kwargs):
@@ -135,6 +137,17 @@ def _cudnn_batch_norm_backward(func, args, kwargs):
         v["save_var"], True, v["epsilon"], [True, v["weight"] is not None, v["weight"] is not None])
 
 
+def _inplace_metadata(view_op):
+    """`x.squeeze_(0)` and friends change a tensor's sizes in place, which a lazy (wrapper) tensor
+    cannot do: refuse clearly rather than leave a tensor whose shape is wrong."""
+    def rewrite(func, args, kwargs):
+        raise RuntimeError(
+            "pydisc: %s changes a lazy tensor's shape in place, which lazy tensors do not support; use the "
+            "out-of-place form (`x = x.%s(...)`). (torch.matmul of a 1-D tensor does this internally: "
+            "use the `@` operator, or unsqueeze the vector.)" % (func, view_op.__name__.split(".")[0]))
+    return rewrite
+
+
 def install_rewrites() -> None:
     r = RECORDER.rewrites
     for base in ("mul", "div"):
@@ -155,5 +168,16 @@ def install_rewrites() -> None:
         r[getattr(aten, "addcdiv" + inplace).default] = _addc(aten.div.Tensor, add)
     RECORDER.foreach_rewrite = _foreach     # matched by name: aten's namespace loads ops lazily
     r[aten.native_batch_norm.default] = _batch_norm
+    for name in ("squeeze_", "unsqueeze_", "t_", "transpose_", "swapdims_", "swapaxes_"):
+        packet = getattr(aten, name, None)
+        if packet is None:
+            continue
+        for overload in packet.overloads():
+            view = getattr(getattr(aten, name[:-1]), overload, None)
+            if view is not None:
+                r[getattr(packet, overload)] = _inplace_metadata(view)
+    # conjugate and negative views are flag bits on a tensor, which a layout-only view cannot carry
+    r[aten._conj.default] = lambda func, args, kwargs: aten.conj_physical.default(*args, **kwargs)
+    r[aten._neg_view.default] = lambda func, args, kwargs: aten.neg.default(*args, **kwargs)
     r[aten.cudnn_batch_norm.default] = _cudnn_batch_norm
     r[aten.cudnn_batch_norm_backward.default] = _cudnn_batch_norm_backward

@@ -37,7 +37,7 @@ INT_SCALARS = (0, 1, 2, -3)
 # to False (scripts/fuzz.py --no-avoid) to look for them again once they are fixed.
 # Each names its repro in tests/robustness/test_fuzz_repros.py.
 AVOID = {
-    "0d_lowp_float_scalar": True,   # test_zero_dim_half_times_python_float_keeps_dtype
+    "0d_lowp_float_scalar": False,  # test_zero_dim_half_times_python_float_keeps_dtype
     "matmul_1d_lhs": True,          # test_matmul_vector_times_matrix_shape
     "pow_tensor_exponent": True,    # test_pow_tensor_exponent_zero_and_negative_base
     "atan2": False,                 # test_atan2_signed_zero_and_zero_zero (fixed)

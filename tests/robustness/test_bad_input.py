@@ -164,10 +164,6 @@ VIEW_AS_REAL = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason="bug: view_as_real (and .real) of a lazy complex tensor: an op on the view of a "
-                                       "materialized tensor, or the view of a pending value kept alive, fails "
-                                       "at mark_step (the float32 view's layout is applied to the complex "
-                                       "storage: 'setStorage ... out of bounds')")
 @pytest.mark.parametrize("case", sorted(VIEW_AS_REAL))
 def test_view_as_real_of_lazy_complex(case):
     fn = VIEW_AS_REAL[case]
@@ -177,10 +173,6 @@ def test_view_as_real_of_lazy_complex(case):
     torch.testing.assert_close(got.cpu(), fn(c))
 
 
-@pytest.mark.xfail(strict=True, reason="bug: an op on x.view(dtype) of a materialized lazy tensor reads the "
-                                       "storage as x's dtype: float [1., -2.] .view(int32) + 1 gives "
-                                       "[2.0, -1.0] (a float32 tensor behind an int32 lazy tensor), eager "
-                                       "[1065353217, -1073741823]")
 @pytest.mark.parametrize("dtype", [torch.int32, torch.float16])
 def test_op_on_dtype_view_of_materialized_tensor(dtype):
     f = torch.tensor([1.0, -2.0, 0.5, 3.0])
@@ -243,8 +235,6 @@ def test_numpy_and_friends_materialize():
     pydisc.mark_step()
 
 
-@pytest.mark.xfail(strict=True, reason="bug: data_ptr() of a lazy tensor returns 0 (pending or not) instead "
-                                       "of materializing or raising; C extensions would read address 0")
 @pytest.mark.parametrize("pending", [False, True])
 def test_data_ptr_of_lazy_tensor_is_real_or_refused(pending):
     x = lz(torch.ones(3))

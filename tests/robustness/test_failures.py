@@ -294,9 +294,15 @@ def test_keyboard_interrupt_during_compile_of_a_later_step(monkeypatch, fresh_pl
     with pytest.raises(KeyboardInterrupt):
         pydisc.mark_step()
     assert state["n"] >= 1
-    assert_params_equal(params(lazy), last, exact=True)
+    # the interrupted step was finished eagerly: parameters hold that step's eager-equal values
+    loss = torch.nn.functional.cross_entropy(eager(x), y)
+    loss.backward()
+    e_opt.step()
+    e_opt.zero_grad()
+    assert_params_equal(params(lazy), params(eager))
+    assert not torch.equal(params(lazy)[0], last[0])
     monkeypatch.undo()
-    # the user goes on: the next step works and matches eager that skipped the interrupted step
+    # the user goes on: the next steps work and match eager
     for i in (2, 3):
         for model, opt in ((eager, e_opt), (lazy, l_opt)):
             train_step(model, opt, i)
@@ -304,20 +310,18 @@ def test_keyboard_interrupt_during_compile_of_a_later_step(monkeypatch, fresh_pl
         assert_params_equal(params(lazy), params(eager))
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a KeyboardInterrupt (or any failure) in the first step's "
-                                       "mark_step abandons the step, but the optimizer state it created "
-                                       "(SGD momentum buffers) stays as lazy tensors without data: every "
-                                       "later opt.step() raises 'this lazy tensor has no data'")
 def test_keyboard_interrupt_during_first_compile_optimizer_state(monkeypatch, fresh_plans):
+    # Ctrl-C while the first step compiles: pydisc finishes that step eagerly (so the momentum buffers
+    # it creates hold data), then re-raises; training continues equal to eager
     eager, lazy = make_models(width=12)
     e_opt = torch.optim.SGD(eager.parameters(), lr=0.1, momentum=0.9)
     l_opt = torch.optim.SGD(lazy.parameters(), lr=0.1, momentum=0.9)
-    first = params(lazy)
     _interrupt_compile(monkeypatch)
     train_step(lazy, l_opt, 0)
     with pytest.raises(KeyboardInterrupt):
         pydisc.mark_step()
-    assert_params_equal(params(lazy), first, exact=True)
+    train_step(eager, e_opt, 0)
+    assert_params_equal(params(lazy), params(eager))
     monkeypatch.undo()
     for i in (1, 2):
         for model, opt in ((eager, e_opt), (lazy, l_opt)):
@@ -330,12 +334,12 @@ def test_keyboard_interrupt_during_first_compile_without_optimizer_state(monkeyp
     eager, lazy = make_models(width=13)
     e_opt = torch.optim.SGD(eager.parameters(), lr=0.1)
     l_opt = torch.optim.SGD(lazy.parameters(), lr=0.1)
-    first = params(lazy)
     _interrupt_compile(monkeypatch)
     train_step(lazy, l_opt, 0)
     with pytest.raises(KeyboardInterrupt):
         pydisc.mark_step()
-    assert_params_equal(params(lazy), first, exact=True)
+    train_step(eager, e_opt, 0)      # the interrupted step was finished eagerly
+    assert_params_equal(params(lazy), params(eager))
     monkeypatch.undo()
     for i in (1, 2):
         for model, opt in ((eager, e_opt), (lazy, l_opt)):
@@ -353,9 +357,9 @@ def test_keyboard_interrupt_during_a_read(monkeypatch, fresh_plans):
     with pytest.raises(KeyboardInterrupt):
         y.sum().item()
     monkeypatch.undo()
-    torch.testing.assert_close(lx.cpu(), x)          # the abandoned step's write never happened
-    with pytest.raises(RuntimeError, match="abandoned|no data"):
-        y + 1                                        # a clear error, not garbage
+    torch.testing.assert_close(lx.cpu(), x)          # the abandoned rest of the step never happened
+    # what the read needed was finished eagerly before the interrupt went on
+    torch.testing.assert_close(y.cpu(), (x * 5).tanh())
     lx.add_(2)
     z = lx * 2
     pydisc.mark_step()

@@ -25,8 +25,6 @@ def assert_matches(lazy_out, eager_out):
     torch.testing.assert_close(lazy_out.cpu(), eager_out, equal_nan=True)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a Python float on a 0-d float16/bfloat16 tensor is lifted to a "
-                                       "0-d float32 tensor, so type promotion gives float32 (eager: float16)")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_zero_dim_half_times_python_float_keeps_dtype(dtype):
     x = torch.tensor(1.5, dtype=dtype)
