@@ -172,7 +172,8 @@ def _scatter_rule(ctx: LoweringContext, x: Value, dim: int, index: Value, src: V
 
 @lowering(aten.scatter_add.default)
 def _scatter_add(ctx: LoweringContext, x: Value, dim: int, index: Value, src: Value) -> Value:
-    add = lambda b, u, v: b.binary("add", u, v)  # noqa: E731
+    # bool + bool saturates to True in torch; i1 addition would wrap
+    add = lambda b, u, v: b.binary("or" if x.dtype == torch.bool else "add", u, v)  # noqa: E731
     return scatter(ctx.builder, x, dim, index, _updates(ctx.builder, src, index, x.dtype), add)
 
 
