@@ -73,6 +73,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
+    if device.type == "cuda":
+        # eager convolutions use TF32 on the GPU by default; compare against strict float32, as IREE computes
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
     train_x, train_y, test_x, test_y = (t.to(device) for t in load_digits_32())
     torch.manual_seed(0)
     eager = ResNet18(args.width).to(device)

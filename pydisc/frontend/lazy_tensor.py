@@ -200,11 +200,16 @@ class OpInfo:
         returns = []
         for r in schema.returns:
             ai = r.alias_info
-            if ai is None or not ai.before_set:
-                returns.append(None)
-            else:
+            if ai is not None and ai.before_set:
                 i, name = sets[next(iter(ai.before_set))]
                 returns.append(("write" if ai.is_write else "view", i, name))
+            elif ai is not None and func.is_view:
+                # `Tensor(a)[]` (split, unbind, chunk): the alias set sits on the list's elements, and
+                # every element views the aliased argument
+                i, name = next((i, a.name) for i, a in enumerate(schema.arguments) if a.alias_info is not None)
+                returns.append(("view", i, name))
+            else:
+                returns.append(None)
         self.returns = returns
         self.written_args = tuple(written)
         self.is_view = any(r is not None and r[0] == "view" for r in returns)
