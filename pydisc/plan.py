@@ -79,6 +79,10 @@ class CompiledCluster(torch.nn.Module):
                 return
 
 
+# IREE's CUDA driver refuses a kernel with more than 16 buffer bindings when loading the module.
+_TOO_BIG = "exceeds maximum"
+
+
 def _tolerance(dtype: torch.dtype) -> dict:
     if dtype in (torch.float16, torch.bfloat16):
         return {"rtol": 2e-2, "atol": 2e-2}
@@ -182,21 +186,36 @@ def _build(program: Program, inputs: list[torch.Tensor], device: torch.device,
     for reason_op, reason in sorted(part.reasons.items()):
         summary.append("  not compiled: %s (%s)" % (reason_op, reason))
     compile_started = time.perf_counter()
-    for k, name in enumerate(part.clusters):
-        sub = getattr(fused, name)
+
+    def compile_into(parent: torch.fx.GraphModule, name: str, k: int, total: int) -> None:
+        sub = getattr(parent, name)
         ops = [n for n in sub.graph.nodes if n.op == "call_function"]
         op_names = [str(n.target) for n in ops]
         if CONFIG.progress and time.perf_counter() - compile_started > 2.0:
-            print("pydisc: compiling cluster %d/%d (%d ops)..." % (k + 1, len(part.clusters), len(ops)),
-                  flush=True)
+            print("pydisc: compiling cluster %d/%d (%d ops)..." % (k + 1, total, len(ops)), flush=True)
         t0 = time.perf_counter()
         try:
             emitted = emit_cluster(sub)
             _dump("step%d_%s.mlir" % (step_id, name), emitted.text)
             compiled = compile_module(emitted.text, device)
         except Exception as exc:
-            path = _dump("step%d_%s.failed.txt" % (step_id, name), "%s\n\n%s" % (exc, sub.code), failure=True)
             first_line = str(exc).splitlines()[0] if str(exc) else ""
+            if _TOO_BIG in str(exc) and len(ops) > 1:
+                # a fused kernel of this cluster needs more buffers than the GPU driver allows per
+                # launch: compile the cluster as two halves instead
+                log("compiles", "cluster %s (%d ops) too large for the target (%s); splitting", name,
+                    len(ops), first_line)
+                halves = partition_graph(sub, device, unsupported_reason, 1, max_ops=(len(ops) + 1) // 2)
+                for j, inner in enumerate(halves.clusters):
+                    compile_into(halves.graph_module, inner, j, len(halves.clusters))
+                for node in halves.graph_module.graph.nodes:
+                    if node.op == "call_function" and str(node.target) in halves.eager_ops:
+                        note_eager(node)
+                setattr(parent, name, halves.graph_module)
+                summary.append("  %s: %d ops, split in %d after: %s" % (name, len(ops), len(halves.clusters),
+                                                                      first_line))
+                return
+            path = _dump("step%d_%s.failed.txt" % (step_id, name), "%s\n\n%s" % (exc, sub.code), failure=True)
             warn_once("cluster:" + type(exc).__name__ + first_line[:120],
                       "pydisc: a cluster of %d ops (%s) could not be compiled and runs eagerly (%s: %s); "
                       "IR dump: %s" % (len(ops), ", ".join(sorted(set(op_names))[:6]), type(exc).__name__,
@@ -205,13 +224,16 @@ def _build(program: Program, inputs: list[torch.Tensor], device: torch.device,
             for n in ops:
                 note_eager(n)
             summary.append("  %s: %d ops, EAGER after failure: %s" % (name, len(ops), first_line))
-            continue
+            return
         log("compiles", "cluster %s: %d ops, %d inputs, %d outputs, %.2f s", name, len(ops),
             len(emitted.inputs), len(emitted.outputs), time.perf_counter() - t0)
         record_cluster(emitted.text, device)
-        setattr(fused, name, CompiledCluster(name, compiled, emitted, device, sub))
+        setattr(parent, name, CompiledCluster(name, compiled, emitted, device, sub))
         plan.clusters += 1
         summary.append("  %s: %d ops compiled: %s" % (name, len(ops), ", ".join(sorted(set(op_names)))))
+
+    for k, name in enumerate(part.clusters):
+        compile_into(fused, name, k, len(part.clusters))
     METRICS.clusters += plan.clusters
     for op, count in plan.eager_ops.most_common():
         summary.append("  eager: %s x%d%s" % (op, count, (" at " + plan.eager_sources[op])

@@ -113,3 +113,30 @@ def _line_of(marker: str) -> int:
             if marker in line and "_line_of" not in line:
                 return i
     raise AssertionError(marker)
+
+
+def test_cluster_too_large_for_the_target_is_split_and_still_compiled(monkeypatch):
+    # IREE's CUDA driver refuses kernels with more than 16 bindings at load time; simulate that limit
+    # on the CPU for clusters of more than 3 ops and check that the cluster is compiled in pieces
+    import pydisc.exec as pexec
+    real_compile = pexec.compile_module
+    sizes = []
+
+    def limited(text, device):
+        n_ops = text.count("// aten.")
+        sizes.append(n_ops)
+        if n_ops > 3:
+            raise ValueError("Error creating vm context with modules: exports[0] binding_flags count 40 "
+                             "exceeds maximum of 16")
+        return real_compile(text, device)
+
+    monkeypatch.setattr(pexec, "compile_module", limited)
+    pydisc.reset_metrics()
+    x = pydisc.to_lazy(torch.randn(4, 5))
+    y = ((x.sin() * 2.5 + 1).exp().tanh() - x.cos()).abs()    # a fresh 7-op structure
+    pydisc.mark_step()
+    m = pydisc.metrics()
+    assert m["compile_failures"] == {} and m["fallback_ops"] == {}
+    assert max(sizes) > 3 and m["clusters"] >= 2
+    xc = x.cpu()
+    torch.testing.assert_close(y.cpu(), ((xc.sin() * 2.5 + 1).exp().tanh() - xc.cos()).abs())

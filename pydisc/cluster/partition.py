@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner, Partition as FxPartition
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 __all__ = ["Partition", "partition_graph"]
@@ -67,9 +67,17 @@ def _op_name(node: torch.fx.Node) -> str:
         else str(node.target)
 
 
+def _chunks(partition, max_ops: int, order: dict) -> list:
+    """Split a partition into pieces of at most `max_ops` nodes along the graph's topological order.
+    Each piece stays convex: a path from a later piece back into an earlier one would need an edge
+    against the order."""
+    nodes = sorted(partition.nodes, key=order.__getitem__)
+    return [FxPartition(nodes=nodes[i:i + max_ops]) for i in range(0, len(nodes), max_ops)]
+
+
 def partition_graph(gm: torch.fx.GraphModule, device: torch.device,
                     reason_of: Callable[[torch.fx.Node], str | None],
-                    min_ops: int = 1) -> Partition:
+                    min_ops: int = 1, max_ops: int | None = None) -> Partition:
     reasons: dict[str, str] = {}
     partitioner = CapabilityBasedPartitioner(gm, _Support(device, reason_of, reasons),
                                              allows_single_node_partition=True)
@@ -79,6 +87,11 @@ def partition_graph(gm: torch.fx.GraphModule, device: torch.device,
         compute = [n for n in p.nodes if n.target not in _FREE_OPS]
         if len(compute) >= max(min_ops, 1):
             kept.append(p)
+    if max_ops:
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        kept = [piece for p in kept for piece in _chunks(p, max_ops, order)]
+        for i, p in enumerate(kept):
+            p.id = i
     fused = partitioner.fuse_partitions(kept)
     clusters = [n.target for n in fused.graph.nodes if n.op == "call_module"]
     eager = [str(n.target) for n in fused.graph.nodes
