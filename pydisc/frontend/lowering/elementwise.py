@@ -281,13 +281,30 @@ def _remainder_emit(b: FunctionBuilder, x: Value, y: Value) -> Value:
 lowering(aten.remainder.Tensor, aten.remainder.Scalar)(partial(_arith, emit=_remainder_emit))
 
 
+def _pow_emit(b: FunctionBuilder, x: Value, y: Value) -> Value:
+    """C's pow for floats: IREE computes power as exp(y * log(x)), NaN for a negative base and for 0**0,
+    so take |x|, restore the sign for odd integer exponents, and pin x**0 = 1**y = 1."""
+    if not x.dtype.is_floating_point:
+        return b.binary("power", x, y)
+    shape, dtype = x.shape, x.dtype
+    zero, one, two = (b.full(shape, v, dtype) for v in (0, 1, 2))
+    magnitude = b.binary("power", b.unary("abs", x), y)
+    integral = b.compare("EQ", b.unary("floor", y), y)
+    odd = b.compare("NE", b.binary("subtract", y, b.binary("multiply", b.unary("floor", b.binary("divide", y, two)), two)), zero)
+    signed = b.select(odd, b.unary("negate", magnitude), magnitude)
+    negative_base = b.select(integral, signed, b.full(shape, float("nan"), dtype))
+    result = b.select(b.compare("LT", x, zero), negative_base, magnitude)
+    result = b.select(b.compare("EQ", y, zero), one, result)
+    return b.select(b.compare("EQ", x, one), one, result)
+
+
 @lowering(aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar)
 def _pow(ctx: LoweringContext, x: Value | Scalar, y: Value | Scalar) -> Value:
     if not isinstance(y, Value) and y == 2:
         return _arith(ctx, x, emit=lambda b, v: b.binary("multiply", v, v))
     if not isinstance(y, Value) and y == 0.5 and ctx.out_dtype.is_floating_point:
         return _arith(ctx, x, emit=_unary("sqrt"))
-    return _arith(ctx, x, y, emit=_binary("power"))
+    return _arith(ctx, x, y, emit=_pow_emit)
 
 
 @lowering(aten.clamp.default, aten.clamp.Tensor)
