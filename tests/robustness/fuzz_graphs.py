@@ -41,7 +41,7 @@ AVOID = {
     "matmul_1d_lhs": True,          # test_matmul_vector_times_matrix_shape
     "pow_tensor_exponent": False,    # test_pow_tensor_exponent_zero_and_negative_base
     "atan2": False,                 # test_atan2_signed_zero_and_zero_zero (fixed)
-    "sin_cos": True,                # test_sin_cos_of_large_arguments
+    "sin_cos": False,               # test_sin_cos_of_large_arguments
 }
 
 

@@ -101,8 +101,8 @@ _UNARY: dict[object, Emit] = {
     aten.rsqrt.default: _unary("rsqrt"),
     aten.tanh.default: _unary("tanh"),
     aten.sigmoid.default: _unary("logistic"),
-    aten.sin.default: _unary("sine"),
-    aten.cos.default: _unary("cosine"),
+    aten.sin.default: lambda b, x: _periodic(b, x, "sine"),
+    aten.cos.default: lambda b, x: _periodic(b, x, "cosine"),
     aten.tan.default: _chlo("tan"),
     aten.erf.default: _chlo("erf"),
     aten.asin.default: _chlo("asin"),
@@ -123,6 +123,18 @@ _UNARY: dict[object, Emit] = {
 }
 for _op, _emit in _UNARY.items():
     lowering(_op)(partial(_arith, emit=_emit))
+
+
+def _periodic(b: FunctionBuilder, x: Value, name: str) -> Value:
+    """sin/cos of float32 with the argument reduced to [-pi, pi] in float64 first: IREE's float32
+    sine and cosine reduce large arguments poorly (sin(1e5) off by 3e-3, sin(1e10) = -6e21)."""
+    if x.dtype != torch.float32:
+        return b.unary(name, x)
+    wide = b.convert(x, torch.float64)
+    period = b.full(x.shape, 2 * math.pi, torch.float64)
+    turns = b.unary("round_nearest_even", b.binary("divide", wide, period))
+    reduced = b.binary("subtract", wide, b.binary("multiply", turns, period))
+    return b.unary(name, b.convert(reduced, torch.float32))
 
 
 def _trunc_emit(b: FunctionBuilder, x: Value) -> Value:
