@@ -33,7 +33,9 @@ import torch.nn.functional as F
 
 # Lets `python examples/mnist.py` run from a checkout without installing pydisc.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import pydisc  # noqa: E402
+from _data import fixed_batches  # noqa: E402
 
 MAX_RELATIVE_LOSS_DIFF = 1e-3
 MAX_ACCURACY_DIFF = 0.01
@@ -108,19 +110,6 @@ def load_mnist(directory: str | Path) -> Dataset:
     train_y = torch.from_numpy(read("train-labels-idx1-ubyte").astype(np.int64))
     test_y = torch.from_numpy(read("t10k-labels-idx1-ubyte").astype(np.int64))
     return Dataset("MNIST 28x28 (%s)" % directory, train_x, train_y, test_x, test_y)
-
-
-def batch_order(n_samples: int, batch_size: int, steps: int, seed: int = 0) -> list[torch.Tensor]:
-    """Index batches for `steps` steps, reshuffled every epoch. The last partial batch of an epoch is
-    dropped so every step has the same shapes and pydisc reuses one compiled plan."""
-    if n_samples < batch_size:
-        raise ValueError("batch size %d is larger than the %d training samples" % (batch_size, n_samples))
-    g = torch.Generator().manual_seed(seed)
-    batches: list[torch.Tensor] = []
-    while len(batches) < steps:
-        perm = torch.randperm(n_samples, generator=g)
-        batches += list(perm[: n_samples - n_samples % batch_size].split(batch_size))
-    return batches[:steps]
 
 
 # ---- models ------------------------------------------------------------------------------------
@@ -222,7 +211,7 @@ def train_side_by_side(name: str, data: Dataset, args: argparse.Namespace) -> Ru
     run = Run(name, [], [], [], [], 0.0, 0.0, 0, 0.0)
     print("\n== %s: %d steps, batch %d, %s, %s ==" % (name, args.steps, args.batch_size, args.optimizer, device))
     print("%6s  %12s  %12s  %10s" % ("step", "eager loss", "pydisc loss", "|diff|"))
-    for step, idx in enumerate(batch_order(len(train_y), args.batch_size, args.steps), start=1):
+    for step, idx in enumerate(fixed_batches(len(train_y), args.batch_size, args.steps), start=1):
         x, y = train_x[idx], train_y[idx]
         for model, opt, losses, seconds, is_lazy in (
                 (eager, eager_opt, run.eager_losses, run.eager_seconds, False),
