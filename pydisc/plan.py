@@ -23,7 +23,7 @@ from .frontend.replay import Program, functional_graph
 from .metrics import METRICS
 from .shape_log import record_cluster
 
-__all__ = ["StepPlan", "CompiledCluster", "build_plan"]
+__all__ = ["StepPlan", "CompiledCluster", "build_plan", "plan_graph"]
 
 
 @dataclass
@@ -136,10 +136,7 @@ def _eager_plan(program: Program, sources: list[str | None]) -> StepPlan:
 
 def _build(program: Program, inputs: list[torch.Tensor], device: torch.device,
            sources: list[str | None]) -> StepPlan:
-    from .cluster import partition_graph
-    from .exec import compile_module
     from .frontend.decompositions import DECOMPOSITIONS
-    from .frontend.emit import emit_cluster, unsupported_reason
 
     started = time.perf_counter()
     step_id = METRICS.graph_cache_misses
@@ -156,6 +153,23 @@ def _build(program: Program, inputs: list[torch.Tensor], device: torch.device,
                   "pydisc: could not build a functional graph for this step (%s: %s); the step runs "
                   "eagerly. Please report this with the op that failed." % (type(exc).__name__, exc))
         return _eager_plan(program, sources)
+    METRICS.plan_seconds += time.perf_counter() - started
+    return plan_graph(gm, device, sources, step_id)
+
+
+def plan_graph(gm: torch.fx.GraphModule, device: torch.device, sources: list[str | None],
+               step_id: int) -> StepPlan:
+    """Partition, emit and compile a functional graph of core ATen ops into a runnable `StepPlan`.
+
+    `gm` may be traced with symbolic sizes (`node.meta["val"]` FakeTensors with SymInt dims, SymInt
+    nodes such as `aten.sym_size.int`): its clusters are then compiled once with dynamic dimensions and
+    the plan runs at every size. `sources[i]` is the user source line of program entry i (nodes carry
+    `meta["pydisc_entry"]`); `step_id` names the dump files."""
+    from .cluster import partition_graph
+    from .exec import compile_module
+    from .frontend.emit import emit_cluster, unsupported_reason
+
+    started = time.perf_counter()
     _dump("step%d_graph.txt" % step_id, gm.code)
     if CONFIG.disable:
         return StepPlan(gm, Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function"))
