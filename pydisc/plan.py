@@ -38,6 +38,9 @@ class StepPlan:
 class CompiledCluster(torch.nn.Module):
     """Stands in for a cluster submodule: allocates its outputs with torch, IREE fills them.
 
+    A cluster with dynamic dims sizes its outputs from its inputs at each call, through a Python
+    function generated once from the size expressions (`_size_function`); SymInt inputs are not passed
+    to IREE and SymInt outputs are computed there too.
     With PYDISC_CHECK=N, every Nth call also runs the cluster's ops eagerly and compares."""
 
     def __init__(self, name: str, compiled, emitted, device: torch.device, fallback: torch.fx.GraphModule):
@@ -51,24 +54,33 @@ class CompiledCluster(torch.nn.Module):
         self.single = not isinstance(out_node.args[0], (tuple, list))
         self.output_ops = [str(getattr(a, "target", a)) for a in
                            (out_node.args[0] if not self.single else [out_node.args[0]])]
+        self.prepare = _size_function(emitted, device) if emitted.dynamic else None
         self.calls = 0
 
     def forward(self, *inputs):
-        device = self.device
-        outs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.specs]
-        self.compiled.run(inputs, outs)
+        if self.prepare is None:
+            device = self.device
+            outs = results = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.specs]
+            self.compiled.run(inputs, outs)
+        else:
+            arguments, outs, results = self.prepare(inputs)
+            self.compiled.run(arguments, outs)
         self.calls += 1
         if CONFIG.check_every and self.calls % CONFIG.check_every == 0:
-            self.check(inputs, outs)
-        return outs[0] if self.single else tuple(outs)
+            self.check(inputs, results)
+        return results[0] if self.single else tuple(results)
 
-    def check(self, inputs, outs) -> None:
+    def check(self, inputs, results) -> None:
         """Compare with the same ops run eagerly; report the first output that diverges."""
         METRICS.numerics_checks += 1
         expected = self.fallback(*inputs)
         expected = [expected] if self.single else list(expected)
-        for i, (got, want) in enumerate(zip(outs, expected)):
+        for i, (got, want) in enumerate(zip(results, expected)):
             try:
+                if not isinstance(want, torch.Tensor):  # a size computed on the host
+                    if got != want:
+                        raise AssertionError("size %s, expected %s" % (got, want))
+                    continue
                 torch.testing.assert_close(got, want, equal_nan=True, check_dtype=True,
                                            **_tolerance(want.dtype))
             except AssertionError as exc:
@@ -77,6 +89,49 @@ class CompiledCluster(torch.nn.Module):
                 METRICS.numerics_mismatches.append(message)
                 warn_once("check:" + self.name + str(i), "pydisc numerics check: " + message)
                 return
+
+
+def _size_function(emitted, device: torch.device) -> Callable:
+    """`prepare(inputs) -> (arguments, outputs, results)` for a cluster with dynamic dims, generated as
+    Python source once: it reads each needed size symbol from an input's dim, allocates the outputs at
+    this call's sizes and lists the cluster's results (tensors, and SymInt outputs as ints). Sympy is
+    not involved per call; the cost is a few dim reads and one `torch.empty` per output."""
+    from .frontend.lowering.symbolic import python_expression
+
+    bindings = emitted.bindings
+    reads: list[str] = []
+    names: dict = {}
+
+    def leaf(symbol) -> str:
+        if symbol not in names:
+            position, dim = bindings.leaves[symbol]
+            names[symbol] = "n%d" % len(names)
+            reads.append("    %s = inputs[%d].size(%d)" % (names[symbol], position, dim))
+        return names[symbol]
+
+    def size(expr) -> str:
+        return python_expression(bindings.resolve(expr), leaf)
+
+    allocations = []
+    for k, spec in enumerate(emitted.outputs):
+        dims = ", ".join(size(d) for d in spec.shape) + ("," if spec.rank == 1 else "")
+        allocations.append("    o%d = empty((%s), dtype=dtype%d, device=device)" % (k, dims, k))
+    layout = emitted.layout or tuple(("result", k) for k in range(len(emitted.outputs)))
+    results = ["o%d" % value if kind == "result" else size(value) for kind, value in layout]
+    arguments = "".join("inputs[%d], " % p for p in emitted.arguments)
+    source = "\n".join([
+        "def prepare(inputs):",
+        *reads,
+        *allocations,
+        "    return (%s), [%s], (%s)" % (arguments, ", ".join("o%d" % k for k in range(len(emitted.outputs))),
+                                       "".join(r + ", " for r in results)),
+    ])
+    scope = {"empty": torch.empty, "device": device, "max": max, "min": min}
+    scope.update({"dtype%d" % k: spec.dtype for k, spec in enumerate(emitted.outputs)})
+    exec(compile(source, "<pydisc cluster sizes>", "exec"), scope)
+    prepare = scope["prepare"]
+    prepare.source = source
+    return prepare
 
 
 # IREE's CUDA driver refuses a kernel with more than 16 buffer bindings when loading the module.
@@ -165,7 +220,7 @@ def plan_graph(gm: torch.fx.GraphModule, device: torch.device, sources: list[str
     nodes such as `aten.sym_size.int`): its clusters are then compiled once with dynamic dimensions and
     the plan runs at every size. `sources[i]` is the user source line of program entry i (nodes carry
     `meta["pydisc_entry"]`); `step_id` names the dump files."""
-    from .cluster import partition_graph
+    from .cluster import is_host_scalar, partition_graph
     from .exec import compile_module
     from .frontend.emit import emit_cluster, unsupported_reason
 
@@ -178,6 +233,8 @@ def plan_graph(gm: torch.fx.GraphModule, device: torch.device, sources: list[str
     plan = StepPlan(fused)
 
     def note_eager(node: torch.fx.Node) -> None:
+        if is_host_scalar(node):  # arithmetic on sizes: not a fallback
+            return
         op = str(node.target)
         plan.eager_ops[op] += 1
         entry = node.meta.get("pydisc_entry")

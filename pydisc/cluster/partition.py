@@ -4,6 +4,10 @@
 a node is a candidate when the lowering registry can emit it (a pure predicate from the frontend) and
 its tensors live on the step's device; the cost policy then drops clusters that would not pay for an
 executable call (nothing but reshapes and getitems).
+
+In a graph with symbolic sizes, nodes that compute a size (`aten.sym_size.int`, `operator.mul` on
+SymInts) join the clusters that use them like any supported op, but cost nothing (the emitter computes
+them from tensor dims) and are not fallbacks where they stay outside: they are host integer arithmetic.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import torch
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner, Partition as FxPartition
 from torch.fx.passes.operator_support import OperatorSupportBase
 
-__all__ = ["Partition", "partition_graph"]
+__all__ = ["Partition", "is_host_scalar", "partition_graph"]
 
 aten = torch.ops.aten
 # Ops that move no data: a cluster made only of these is not worth an executable call.
@@ -44,6 +48,8 @@ class _Support(OperatorSupportBase):
         if node.op != "call_function":
             return False
         reason = self.reason_of(node)
+        if reason is not None and is_host_scalar(node):
+            return False  # host arithmetic on sizes (SymFloat, SymBool): runs outside, not a fallback
         if reason is None:
             reason = _device_reason(node, self.device)
         if reason is not None:
@@ -60,6 +66,17 @@ def _device_reason(node: torch.fx.Node, device: torch.device) -> str | None:
             if isinstance(v, torch.Tensor) and v.device.type != device.type and v.dim() > 0:
                 return "tensor on %s in a %s step" % (v.device, device)
     return None
+
+
+_SIZE_QUERIES = {aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int, aten.sym_storage_offset.default}
+
+
+def is_host_scalar(node: torch.fx.Node) -> bool:
+    """Host arithmetic on sizes: a size query or a Python operator whose value is a (symbolic) scalar.
+    Not `.item()` (`_local_scalar_dense`), which reads tensor data."""
+    if not isinstance(node.meta.get("val"), (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return False
+    return node.target in _SIZE_QUERIES or not isinstance(node.target, torch._ops.OpOverload)
 
 
 def _op_name(node: torch.fx.Node) -> str:
@@ -84,7 +101,7 @@ def partition_graph(gm: torch.fx.GraphModule, device: torch.device,
     proposed = partitioner.propose_partitions()
     kept = []
     for p in proposed:
-        compute = [n for n in p.nodes if n.target not in _FREE_OPS]
+        compute = [n for n in p.nodes if n.target not in _FREE_OPS and not is_host_scalar(n)]
         if len(compute) >= max(min_ops, 1):
             kept.append(p)
     if max_ops:
@@ -95,5 +112,5 @@ def partition_graph(gm: torch.fx.GraphModule, device: torch.device,
     fused = partitioner.fuse_partitions(kept)
     clusters = [n.target for n in fused.graph.nodes if n.op == "call_module"]
     eager = [str(n.target) for n in fused.graph.nodes
-             if n.op == "call_function" and n.target is not operator.getitem]
+             if n.op == "call_function" and n.target is not operator.getitem and not is_host_scalar(n)]
     return Partition(fused, clusters, eager, reasons)

@@ -3,6 +3,12 @@
 The module has a single public function: the cluster inputs in placeholder order, then one argument
 per result marked `{iree.abi.output = N : index}`, so that IREE writes result N into a tensor that
 torch allocated from `EmittedCluster.outputs`. Shapes and dtypes come from `node.meta["val"]`.
+
+A graph traced with symbolic sizes has dims that are sympy expressions (printed `?`) and SymInt-valued
+nodes (`aten.sym_size.int`, `operator.mul`, ...). Those nodes emit nothing: their value is their
+expression, and a rule that needs it at run time gets it from the dims of the tensor arguments
+(`tensor.dim`). So a SymInt input of a cluster is not an argument of the function (the executor drops
+it), and a SymInt output is computed on the host from the input sizes (`EmittedCluster.layout`).
 """
 from __future__ import annotations
 
@@ -15,7 +21,14 @@ from torch.fx.node import map_arg
 
 from pydisc.frontend.lowering import LOWERINGS, FunctionBuilder, LoweringContext, LoweringError, TensorSpec, Value
 from pydisc.frontend.lowering.builder import ELEMENT_TYPES
-from pydisc.frontend.lowering.registry import SUPPORT_CHECKS, spec_of
+from pydisc.frontend.lowering.registry import DYNAMIC_RULES, SUPPORT_CHECKS, spec_of
+from pydisc.frontend.lowering.symbolic import (
+    DynamicShapeError,
+    Size,
+    SizeBindings,
+    check_computable,
+    size_of,
+)
 
 __all__ = ["EmittedCluster", "LoweringError", "TensorSpec", "emit_cluster", "unsupported_reason"]
 
@@ -23,9 +36,22 @@ __all__ = ["EmittedCluster", "LoweringError", "TensorSpec", "emit_cluster", "uns
 @dataclass(frozen=True)
 class EmittedCluster:
     text: str
-    inputs: tuple[TensorSpec, ...]
-    outputs: tuple[TensorSpec, ...]
+    inputs: tuple[TensorSpec, ...]    # the function's tensor arguments
+    outputs: tuple[TensorSpec, ...]   # the function's results
     ops: tuple[str, ...]  # ATen op of each lowered node, in emission order
+    # Placeholder position of each function argument (SymInt placeholders are not arguments).
+    arguments: tuple[int, ...] = ()
+    # Each cluster output: ("result", k) for the function's result k, ("size", size) for a SymInt
+    # output computed on the host. Empty: the outputs are the results in order.
+    layout: tuple[tuple[str, object], ...] = ()
+    # Where the sizes in `outputs` and `layout` are read at run time (dims of the placeholders).
+    bindings: SizeBindings | None = None
+
+    @property
+    def dynamic(self) -> bool:
+        """Whether running it needs more than the static output specs: sizes evaluated per call,
+        placeholders that are not arguments, or host-computed outputs."""
+        return bool(self.layout) or any(not s.is_static for s in self.outputs)
 
 
 def _tensors(val: object) -> Iterable[torch.Tensor]:
@@ -40,8 +66,62 @@ def _dtype_reason(val: object) -> str | None:
     for t in _tensors(val):
         if t.dtype not in ELEMENT_TYPES:
             return f"dtype {t.dtype} is not supported"
-        if any(not isinstance(d, int) for d in t.shape):
-            return "dynamic shapes are not supported yet"
+    return None
+
+
+# SymInt-valued nodes that are functions of sizes only (never of tensor data, unlike `.item()`).
+_SIZE_OPS = {
+    torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default, torch.ops.aten.sym_stride.int,
+    operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod, operator.neg, operator.pos,
+    torch.sym_max, torch.sym_min, torch.sym_sum, torch.sym_float, operator.truediv, operator.pow,
+}
+
+
+def _is_size_value(val: object) -> bool:
+    """An int, a SymInt, or a SymFloat computed from sizes (a mean's count, `n / 4`)."""
+    if isinstance(val, torch.SymFloat):
+        return not val.node.expr.is_number
+    return isinstance(val, (int, torch.SymInt)) and not isinstance(val, bool)
+
+
+def _size_value(val: object) -> Size:
+    """The size expression of a size value (float expressions of sizes stay sympy expressions)."""
+    if isinstance(val, torch.SymFloat):
+        return val.node.expr  # type: ignore[return-value]
+    return size_of(val)
+
+
+def _is_size_node(node: torch.fx.Node) -> bool:
+    """A node whose value is an integer size (SymInt): computed from sizes, emitted as nothing."""
+    return (node.op == "placeholder" or node.target in _SIZE_OPS) and _is_size_value(node.meta.get("val"))
+
+
+def _size_reason(val: object) -> str | None:
+    try:
+        check_computable(_size_value(val))
+    except DynamicShapeError as error:
+        return str(error)
+    return None
+
+
+def _is_symbolic(val: object) -> bool:
+    if isinstance(val, torch.Tensor):
+        return not all(isinstance(size_of(d), int) for d in val.shape)
+    if isinstance(val, (list, tuple)):
+        return any(_is_symbolic(v) for v in val)
+    return _is_size_value(val) and not isinstance(_size_value(val), int)
+
+
+def _dynamic_reason(node: torch.fx.Node) -> str | None:
+    """Why a node with dynamic dims (or symbolic arguments) cannot be lowered, if it cannot."""
+    inputs = [n.meta.get("val") for n in node.all_input_nodes]
+    for val in inputs:
+        if isinstance(val, (torch.SymFloat, torch.SymBool)) and not _is_size_value(val):
+            return f"a symbolic {type(val).__name__} argument ({val.node.expr})"
+    if node.target in DYNAMIC_RULES:
+        return None
+    if any(_is_symbolic(v) for v in [node.meta.get("val"), *inputs]):
+        return f"dynamic shapes are not supported by the rule for {node.target}"
     return None
 
 
@@ -67,20 +147,30 @@ def unsupported_reason(node: torch.fx.Node) -> str | None:
         if isinstance(val, torch.Tensor) and val.numel() > _MAX_CONSTANT_ELEMENTS:
             return "constant too large to inline"
         return _dtype_reason(val)
-    if node.op in ("placeholder", "output"):
-        return _dtype_reason(node.meta.get("val")) if node.op == "placeholder" else None
+    if node.op == "output":
+        return None
+    val = node.meta.get("val")
+    if node.op == "placeholder":
+        if isinstance(val, (torch.SymFloat, torch.SymBool, float)) and not _is_size_value(val):
+            return f"a {type(val).__name__} input"
+        return _size_reason(val) if _is_size_value(val) else _dtype_reason(val)
     if node.op != "call_function":
         return f"{node.op} nodes are not supported"
     if node.target is operator.getitem:  # an unused result (None) of a multi-output op has no val
-        return _dtype_reason(node.meta.get("val"))
+        return _dtype_reason(val)
     if "val" not in node.meta:
         return "node has no recorded metadata"
+    if _is_size_node(node):
+        return _size_reason(val)
     if node.target not in LOWERINGS:
         return f"no lowering rule for {node.target}"
-    for value in [node.meta["val"], *(n.meta.get("val") for n in node.all_input_nodes)]:
+    for value in [val, *(n.meta.get("val") for n in node.all_input_nodes)]:
         reason = _dtype_reason(value)
         if reason is not None:
             return reason
+    reason = _dynamic_reason(node)
+    if reason is not None:
+        return reason
     check = SUPPORT_CHECKS.get(node.target)
     return check(node) if check is not None else None
 
@@ -98,6 +188,8 @@ def _lower_node(builder: FunctionBuilder, node: torch.fx.Node, env: dict[torch.f
     if node.target is operator.getitem:
         source, index = node.args
         return env[source][index]  # type: ignore[index]
+    if _is_size_node(node):
+        return _size_value(node.meta["val"])
     out = _specs(node.meta["val"])
     ctx = LoweringContext(builder, node, out)  # type: ignore[arg-type]
     args = map_arg(node.args, lambda n: env[n])
@@ -109,33 +201,54 @@ def _lower_node(builder: FunctionBuilder, node: torch.fx.Node, env: dict[torch.f
         raise
     except Exception as error:  # a rule that cannot handle its arguments is a lowering failure
         raise LoweringError(node.target, f"{type(error).__name__}: {error}") from error
-    results = result if isinstance(result, tuple) else (result,)
+    single = not isinstance(result, tuple)
+    results = (result,) if single else result
     if len(results) != len(out):
         raise LoweringError(node.target, f"rule returned {len(results)} results, expected {len(out)}")
+    checked = []
     for value, spec in zip(results, out):
+        if spec is not None and isinstance(value, Value) and value.type != spec and _compatible(value.type, spec):
+            value = builder.cast(value, spec)  # the same sizes, spelled differently
         if spec is not None and (not isinstance(value, Value) or value.type != spec):
             got = value.type if isinstance(value, Value) else value
             raise LoweringError(node.target, f"rule produced {got}, metadata says {spec}")
-    return result
+        checked.append(value)
+    return checked[0] if single else tuple(checked)
+
+
+def _compatible(got: TensorSpec, want: TensorSpec) -> bool:
+    """Same dtype and rank, and no two static dims that differ."""
+    return got.dtype == want.dtype and got.rank == want.rank and all(
+        not (type(a) is int and type(b) is int) or a == b for a, b in zip(got.shape, want.shape)
+    )
 
 
 def emit_cluster(gm: torch.fx.GraphModule, *, func_name: str = "main") -> EmittedCluster:
     builder = FunctionBuilder()
     env: dict[torch.fx.Node, object] = {}
     inputs: list[Value] = []
+    arguments: list[int] = []
     ops: list[str] = []
     results: list[Value] = []
+    layout: list[tuple[str, object]] = []
+    placeholders = 0
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             reason = unsupported_reason(node)
             if reason is not None:
                 raise LoweringError("placeholder", f"{node.name}: {reason}")
-            value = Value(f"%arg{len(inputs)}", spec_of(node.meta["val"]))
-            inputs.append(value)
-            env[node] = value
+            if _is_size_value(node.meta["val"]):
+                env[node] = _size_value(node.meta["val"])  # computed in the function from tensor dims
+            else:
+                value = Value(f"%arg{len(inputs)}", spec_of(node.meta["val"]))
+                builder.bind_argument(placeholders, value)
+                inputs.append(value)
+                arguments.append(placeholders)
+                env[node] = value
+            placeholders += 1
         elif node.op == "call_function":
             env[node] = _lower_node(builder, node, env)
-            if node.target is not operator.getitem:
+            if node.target is not operator.getitem and not _is_size_node(node):
                 ops.append(str(node.target))
         elif node.op == "get_attr":
             constant = _constant(gm, node)
@@ -144,11 +257,23 @@ def emit_cluster(gm: torch.fx.GraphModule, *, func_name: str = "main") -> Emitte
             outs = node.args[0] if isinstance(node.args[0], (list, tuple)) else (node.args[0],)
             for out in outs:
                 value = env.get(out) if isinstance(out, torch.fx.Node) else None
-                if not isinstance(value, Value):
+                if isinstance(value, Value):
+                    layout.append(("result", len(results)))
+                    results.append(value)
+                elif isinstance(out, torch.fx.Node) and _is_size_node(out):
+                    layout.append(("size", env[out]))  # a SymInt output: computed on the host
+                else:
                     raise LoweringError("output", f"cluster output {out!r} is not a tensor")
-                results.append(value)
         else:
             raise LoweringError(node.op, f"unsupported FX node kind {node.op}")
+
+    # The executor sizes the outputs from the inputs: every size it needs must be readable there.
+    bindings = builder.size_bindings
+    try:
+        for size in [d for r in results for d in r.shape] + [size for kind, size in layout if kind == "size"]:
+            check_computable(bindings.resolve(size))  # type: ignore[arg-type]
+    except DynamicShapeError as error:
+        raise LoweringError("output", str(error)) from error
 
     params = [f"{v.name}: {v.type}" for v in inputs]
     params += [f"%out{i}: {r.type} {{iree.abi.output = {i} : index}}" for i, r in enumerate(results)]
@@ -159,9 +284,13 @@ def emit_cluster(gm: torch.fx.GraphModule, *, func_name: str = "main") -> Emitte
         "    return" + (f" {', '.join(r.name for r in results)} : {result_types}" if results else ""),
         "}",
     ]
+    plain = arguments == list(range(placeholders)) and all(kind == "result" for kind, _ in layout)
     return EmittedCluster(
         text="module {\n" + "\n".join("  " + line for line in lines) + "\n}\n",
         inputs=tuple(v.type for v in inputs),
         outputs=tuple(r.type for r in results),
         ops=tuple(ops),
+        arguments=tuple(arguments),
+        layout=() if plain else tuple(layout),
+        bindings=bindings,
     )

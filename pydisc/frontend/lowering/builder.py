@@ -2,8 +2,12 @@
 
 Rules never paste MLIR strings together themselves: they call the builder, which names SSA values,
 spells tensor types and writes one op per line. The shape-sensitive helpers (`broadcast_in_dim`,
-`reshape`, `convert`, `full`) are the only places that decide how a shape is materialised, so that
-dynamic dimensions can later be handled here once (the way JAX's mlir.py does it).
+`reshape`, `full`, `iota`, `slice`) are the only places that decide how a shape is materialised, the
+way JAX's mlir.py does it: static shapes take the plain StableHLO ops, dynamic ones (a dim that is a
+sympy expression, printed `?`) the forms IREE 3.13 accepts (`dynamic_broadcast_in_dim` with its
+expanding-dims attributes, `tensor.collapse_shape` + `tensor.expand_shape`, `dynamic_iota`,
+`real_dynamic_slice`), with the runtime sizes built from `tensor.dim` of the arguments by `arith` ops
+on `index` values, one per distinct expression.
 """
 from __future__ import annotations
 
@@ -11,11 +15,27 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import sympy
 import torch
+
+from pydisc.frontend.lowering.symbolic import (
+    Size,
+    SizeBindings,
+    DynamicShapeError,
+    ceil_div,
+    expression_node,
+    floor_div,
+    is_integer,
+    is_static,
+    same_size,
+    size_max,
+    size_of,
+)
 
 __all__ = [
     "ELEMENT_TYPES",
     "FunctionBuilder",
+    "IndexTensor",
     "TensorSpec",
     "Value",
     "element_type",
@@ -51,18 +71,27 @@ def is_signed_int(dtype: torch.dtype) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
-    """Shape and dtype of one tensor; `str()` is its MLIR type."""
+    """Shape and dtype of one tensor; `str()` is its MLIR type. A dim is an int or, when dynamic, a
+    sympy expression over the step's size symbols (printed `?`)."""
 
-    shape: tuple[int, ...]
+    shape: tuple[Size, ...]
     dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        if not all(type(d) is int for d in self.shape):
+            object.__setattr__(self, "shape", tuple(size_of(d) for d in self.shape))
 
     @property
     def rank(self) -> int:
         return len(self.shape)
 
     @property
-    def numel(self) -> int:
+    def numel(self) -> Size:
         return math.prod(self.shape)
+
+    @property
+    def is_static(self) -> bool:
+        return is_static(self.shape)
 
     def with_dtype(self, dtype: torch.dtype) -> TensorSpec:
         return TensorSpec(self.shape, dtype)
@@ -71,7 +100,7 @@ class TensorSpec:
         return TensorSpec(tuple(shape), self.dtype)
 
     def __str__(self) -> str:
-        dims = "".join(f"{d}x" for d in self.shape)
+        dims = "".join(f"{d}x" if type(d) is int else "?x" for d in self.shape)
         return f"tensor<{dims}{element_type(self.dtype)}>"
 
 
@@ -83,7 +112,7 @@ class Value:
     type: TensorSpec
 
     @property
-    def shape(self) -> tuple[int, ...]:
+    def shape(self) -> tuple[Size, ...]:
         return self.type.shape
 
     @property
@@ -93,6 +122,21 @@ class Value:
     @property
     def rank(self) -> int:
         return self.type.rank
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True, slots=True)
+class IndexTensor:
+    """A 1-D `tensor<Nxindex>` (a runtime shape or index vector), an operand of the dynamic ops."""
+
+    name: str
+    length: int
+
+    @property
+    def type(self) -> str:
+        return f"tensor<{self.length}xindex>"
 
     def __str__(self) -> str:
         return self.name
@@ -132,12 +176,20 @@ class FunctionBuilder:
         # llvm-cpu (the sum of 50 ones comes out as 7: one per 8-wide vector), so `reduce` hides them
         # behind an optimization barrier. Backward passes sum broadcast ones all the time.
         self._constant: set[str] = set()
+        # Runtime sizes: where each size symbol is read (a dim of an argument) and the `index` value
+        # already computed for each size expression (reused; regions get their own copy).
+        self._bindings = SizeBindings()
+        self._arguments: dict[int, Value] = {}
+        self._sizes: dict[Size, str] = {}
+        self._shapes: dict[tuple[Size, ...], IndexTensor] = {}
 
     # ---- low level -------------------------------------------------------------------------------
     def fresh(self, spec: TensorSpec) -> Value:
-        value = Value(f"%{self._count}", spec)
+        return Value(self._fresh_name(), spec)
+
+    def _fresh_name(self) -> str:
         self._count += 1
-        return value
+        return f"%{self._count - 1}"
 
     def _derived(self, outs: Sequence[Value], operands: Sequence[Value]) -> None:
         if operands and all(o.name in self._constant for o in operands):
@@ -193,7 +245,10 @@ class FunctionBuilder:
         def emit() -> None:
             args = [self.fresh(s) for s in arg_specs]
             self.line("^bb0(" + ", ".join(f"{a.name}: {a.type}" for a in args) + "):")
+            # sizes computed inside the region do not dominate the code after it
+            sizes, shapes = dict(self._sizes), dict(self._shapes)
             results = body(*args)
+            self._sizes, self._shapes = sizes, shapes
             self.line(
                 "stablehlo.return " + ", ".join(r.name for r in results)
                 + " : " + ", ".join(str(r.type) for r in results)
@@ -247,7 +302,11 @@ class FunctionBuilder:
         """`x` computed into a new buffer. IREE 3.13 runs in-place ops (scatter, sort) directly on the
         buffer of a function argument, i.e. it writes into a cluster's input; adding a zero that it
         cannot fold (-0.0 keeps every float, signed zeros included) makes the operand a temporary."""
-        zero = self._unfolded_always(self.full(x.shape, False if x.dtype == torch.bool else (-0.0 if x.dtype.is_floating_point else 0), x.dtype))
+        value = False if x.dtype == torch.bool else (-0.0 if x.dtype.is_floating_point else 0)
+        if x.type.is_static:
+            zero = self._unfolded_always(self.full(x.shape, value, x.dtype))
+        else:  # IREE cannot follow dynamic dims through a barrier: hide the 0-d constant instead
+            zero = self.broadcast_in_dim(self._unfolded_always(self.constant(value, x.dtype)), x.shape, [])
         return self.binary("or" if x.dtype == torch.bool else "add", x, zero)
 
     def _unfolded_always(self, x: Value) -> Value:
@@ -276,32 +335,96 @@ class FunctionBuilder:
         self._constant.add(out.name)
         return out
 
-    def full(self, shape: Sequence[int], value: float | int | bool, dtype: torch.dtype) -> Value:
-        # Static shapes take a splat constant; a dynamic shape will broadcast a 0-d constant here.
+    def full(self, shape: Sequence[Size], value: float | int | bool | sympy.Expr, dtype: torch.dtype) -> Value:
+        """`value` everywhere. A static shape takes a splat constant, a dynamic one broadcasts a 0-d
+        constant; a symbolic value (a size used as a number) is computed at run time."""
+        if isinstance(value, sympy.Basic):
+            if not value.is_number:
+                return self.broadcast_in_dim(self.size_scalar(value, dtype), shape, [])  # type: ignore[arg-type]
+            value = int(value) if value.is_Integer else float(value)
+        if not is_static(shape):
+            return self.broadcast_in_dim(self.constant(value, dtype), shape, [])
         out = self.fresh(TensorSpec(tuple(shape), dtype))
         self.line(f"{out.name} = stablehlo.constant dense<{_literal(value, dtype)}> : {out.type}")
         self._constant.add(out.name)
         return out
 
-    def broadcast_in_dim(self, x: Value, shape: Sequence[int], dims: Sequence[int]) -> Value:
+    def broadcast_in_dim(self, x: Value, shape: Sequence[Size], dims: Sequence[int]) -> Value:
         """`x`'s dim i becomes output dim `dims[i]` (a size-1 dim may be expanded)."""
         spec = TensorSpec(tuple(shape), x.dtype)
-        if spec == x.type and list(dims) == list(range(x.rank)):
+        if _same_shape(spec.shape, x.shape) and list(dims) == list(range(x.rank)):
             return x
+        if spec.is_static and x.type.is_static:
+            return self.op(
+                "stablehlo.broadcast_in_dim", [x], spec, {"broadcast_dimensions": _i64_array(dims)}
+            )
+        # A dynamic size is never 1 (torch specialises sizes 0 and 1), so only a static 1 expands. The
+        # expanding dims are dropped from the operand first: IREE 3.13 folds a reshape into the
+        # broadcast and loses the expanding-dims attributes, which it then requires.
+        expanding = [i for i, d in enumerate(dims) if x.shape[i] == 1 and spec.shape[d] != 1]
+        if expanding:
+            x = self.reshape(x, [d for i, d in enumerate(x.shape) if i not in expanding])
+            dims = [d for i, d in enumerate(dims) if i not in expanding]
         return self.op(
-            "stablehlo.broadcast_in_dim", [x], spec, {"broadcast_dimensions": _i64_array(dims)}
-        )
+            "stablehlo.dynamic_broadcast_in_dim",
+            [x, self.shape_tensor(spec.shape)],
+            spec,
+            {
+                "broadcast_dimensions": _i64_array(dims),
+                "known_expanding_dimensions": _i64_array([]),
+                "known_nonexpanding_dimensions": _i64_array(range(x.rank)),
+            },
+        )  # type: ignore[return-value]
 
     def broadcast_to(self, x: Value, shape: Sequence[int]) -> Value:
         """numpy-style broadcast: align trailing dims."""
         offset = len(shape) - x.rank
         return self.broadcast_in_dim(x, shape, range(offset, len(shape)))
 
-    def reshape(self, x: Value, shape: Sequence[int]) -> Value:
+    def reshape(self, x: Value, shape: Sequence[Size]) -> Value:
         spec = TensorSpec(tuple(shape), x.dtype)
         if spec == x.type:
             return x
-        return self.op("stablehlo.reshape", [x], spec)
+        if spec.is_static and x.type.is_static:
+            return self.op("stablehlo.reshape", [x], spec)
+        if _same_shape(spec.shape, x.shape):
+            return Value(x.name, spec)
+        return self._dynamic_reshape(x, spec)
+
+    def _dynamic_reshape(self, x: Value, spec: TensorSpec) -> Value:
+        """IREE rejects `stablehlo.dynamic_reshape`: collapse each group of source dims whose product is
+        a group of result dims, then expand the groups (either step skipped when it does nothing)."""
+        groups = reshape_groups(x.shape, spec.shape)
+        if groups is None:  # sizes not provably equal group by group: flatten and expand everything
+            if not x.rank or not spec.rank:
+                raise DynamicShapeError(f"cannot express the reshape of {x.type} to {spec} with collapse/expand")
+            groups = [(list(range(x.rank)), list(range(spec.rank)))]
+        value = x
+        if any(len(source) != 1 for source, _ in groups):
+            middle = TensorSpec(tuple(math.prod(x.shape[i] for i in source) for source, _ in groups), x.dtype)
+            collapsed = self.fresh(middle)
+            self._derived([collapsed], [x])
+            self.line(f"{collapsed.name} = tensor.collapse_shape {x.name} {_reassociation(g[0] for g in groups)} "
+                      f": {x.type} into {middle}")
+            value = collapsed
+        if any(len(target) != 1 for _, target in groups):
+            sizes = ", ".join(str(d) if type(d) is int else self.index(d) for d in spec.shape)
+            expanded = self.fresh(spec)
+            self._derived([expanded], [value])
+            self.line(f"{expanded.name} = tensor.expand_shape {value.name} {_reassociation(g[1] for g in groups)} "
+                      f"output_shape [{sizes}] : {value.type} into {spec}")
+            value = expanded
+        return self.cast(value, spec)
+
+    def cast(self, x: Value, spec: TensorSpec) -> Value:
+        """`x` as type `spec`: the same sizes, possibly spelled differently (a static dim where the other
+        has `?`, or another expression of the same size)."""
+        if str(x.type) == str(spec):
+            return x if x.type == spec else Value(x.name, spec)
+        out = self.fresh(spec)
+        self._derived([out], [x])
+        self.line(f"{out.name} = tensor.cast {x.name} : {x.type} to {spec}")
+        return out
 
     def transpose(self, x: Value, perm: Sequence[int]) -> Value:
         if list(perm) == list(range(x.rank)):
@@ -325,12 +448,32 @@ class FunctionBuilder:
             x = self.unary("convert", x, x.type.with_dtype(torch.int64))
         return self.unary("convert", x, x.type.with_dtype(dtype))
 
-    def iota(self, shape: Sequence[int], dim: int, dtype: torch.dtype) -> Value:
+    def iota(self, shape: Sequence[Size], dim: int, dtype: torch.dtype) -> Value:
+        if not is_static(shape):
+            return self.op(
+                "stablehlo.dynamic_iota", [self.shape_tensor(shape)], TensorSpec(tuple(shape), dtype),
+                {"iota_dimension": f"{dim} : i64"},
+            )  # type: ignore[return-value]
         return self.op(
             "stablehlo.iota", [], TensorSpec(tuple(shape), dtype), {"iota_dimension": f"{dim} : i64"}
         )
 
-    def slice(self, x: Value, start: Sequence[int], limit: Sequence[int], strides: Sequence[int]) -> Value:
+    def slice(
+        self, x: Value, start: Sequence[Size], limit: Sequence[Size], strides: Sequence[int],
+        shape: Sequence[Size] | None = None,
+    ) -> Value:
+        """x[start:limit:strides]; `shape` gives the result's sizes where the caller knows them better
+        (the recorded ones) than the division here."""
+        if not (x.type.is_static and is_static(start) and is_static(limit)):
+            if all(lo == 0 for lo in start) and all(st == 1 for st in strides) and _same_shape(limit, x.shape):
+                return x
+            if shape is None:
+                shape = tuple(ceil_div(hi - lo, st) for lo, hi, st in zip(start, limit, strides))
+            return self.op(
+                "stablehlo.real_dynamic_slice",
+                [x, self.shape_tensor(start), self.shape_tensor(limit), self.shape_tensor(strides)],
+                x.type.with_shape(shape),
+            )  # type: ignore[return-value]
         shape = tuple(max(0, -(-(hi - lo) // st)) for lo, hi, st in zip(start, limit, strides))
         if shape == x.shape:
             return x
@@ -356,7 +499,7 @@ class FunctionBuilder:
 
     def pad(self, x: Value, value: Value, low: Sequence[int], high: Sequence[int], interior: Sequence[int]) -> Value:
         shape = tuple(
-            lo + hi + d + max(d - 1, 0) * i for d, lo, hi, i in zip(x.shape, low, high, interior)
+            lo + hi + d + (size_max(d - 1, 0) * i if i else 0) for d, lo, hi, i in zip(x.shape, low, high, interior)
         )
         return self.op(
             "stablehlo.pad",
@@ -437,7 +580,7 @@ class FunctionBuilder:
         shape = []
         for d, w, s, (lo, hi), dil in zip(x.shape, window, strides, padding, dilations or [1] * x.rank):
             span = (w - 1) * dil + 1
-            shape.append((d + lo + hi - span) // s + 1)
+            shape.append(floor_div(d + lo + hi - span, s) + 1)
         attrs = {
             "window_dimensions": _i64_array(window),
             "window_strides": _i64_array(strides),
@@ -457,10 +600,170 @@ class FunctionBuilder:
     def text(self) -> str:
         return "\n".join(self._lines)
 
+    # ---- runtime sizes ---------------------------------------------------------------------------
+    def bind_argument(self, position: int, value: Value) -> None:
+        """Make the dynamic dims of function argument `value` (input `position`) readable as sizes."""
+        self._arguments[position] = value
+        for dim, size in enumerate(value.shape):
+            self._bindings.add(size, position, dim)
+
+    @property
+    def size_bindings(self) -> SizeBindings:
+        return self._bindings
+
+    def index(self, size: Size) -> str:
+        """The name of an `index` value equal to `size` at run time (computed once per expression)."""
+        name = self._sizes.get(size)
+        if name is not None:
+            return name
+        if type(size) is int:
+            name = self._fresh_name()
+            self.line(f"{name} = arith.constant {size} : index")
+        else:
+            resolved = self._bindings.resolve(size)
+            if resolved in self._bindings.leaves:
+                position, dim = self._bindings.leaves[resolved]
+                argument = self._arguments[position]
+                dim_index = self.index(dim)
+                name = self._fresh_name()
+                self.line(f"{name} = tensor.dim {argument.name}, {dim_index} : {argument.type}")
+            else:
+                name = self._index_expression(resolved)
+        self._sizes[size] = name
+        return name
+
+    def _index_expression(self, expr: sympy.Expr) -> str:
+        kind, *args = expression_node(expr)
+        if kind == "leaf":
+            return self.index(args[0])
+        if kind not in _INDEX_OPS and kind != "mod":
+            raise UnboundSizeError(f"{expr} is not an integer size")
+        operands = [self.index(a) for a in args]
+        if kind == "mod":  # a - b * floor(a / b): Python's modulo, torch's Mod on its non-negative domain
+            quotient = self._arith("floordivsi", operands[0], operands[1])
+            return self._arith("subi", operands[0], self._arith("muli", quotient, operands[1]))
+        result = operands[0]
+        for operand in operands[1:]:
+            result = self._arith(_INDEX_OPS[kind], result, operand)
+        return result
+
+    def _arith(self, op: str, lhs: str, rhs: str) -> str:
+        name = self._fresh_name()
+        self.line(f"{name} = arith.{op} {lhs}, {rhs} : index")
+        return name
+
+    def shape_tensor(self, sizes: Sequence[Size]) -> IndexTensor:
+        """A `tensor<Nxindex>` holding `sizes` at run time."""
+        key = tuple(sizes)
+        out = self._shapes.get(key)
+        if out is None:
+            names = [self.index(d) for d in sizes]
+            out = IndexTensor(self._fresh_name(), len(names))
+            self.line(f"{out.name} = tensor.from_elements {', '.join(names)} : {out.type}")
+            self._shapes[key] = out
+        return out
+
+    def size_scalar(self, size: Size, dtype: torch.dtype) -> Value:
+        """A 0-d tensor of `dtype` holding `size` (a size used as a number, e.g. the count of a mean);
+        a float expression of sizes (`s0 / 4`, `s0 ** -0.5`) is computed in float64."""
+        if not is_integer(size):
+            return self.convert(self._float_scalar(size), dtype)
+        key = ("i64", size)
+        out = self._sizes.get(key)  # type: ignore[call-overload]
+        if out is None:
+            wide = self._fresh_name()
+            self.line(f"{wide} = arith.index_cast {self.index(size)} : index to i64")
+            out = self.fresh(TensorSpec((), torch.int64))
+            self.line(f"{out.name} = tensor.from_elements {wide} : {out.type}")
+            self._sizes[key] = out  # type: ignore[index]
+        return self.convert(out, dtype)  # type: ignore[arg-type]
+
+    def _float_scalar(self, size: Size | float) -> Value:
+        if isinstance(size, (int, float)):
+            return self.constant(size, torch.float64)
+        if is_integer(size):
+            return self.size_scalar(size, torch.float64)
+        kind, *args = expression_node(size)
+        if kind == "float":
+            return self._float_scalar(args[0])
+        operands = [self._float_scalar(a) for a in args]
+        name = {"add": "add", "mul": "multiply", "truediv": "divide", "pow": "power"}.get(kind)
+        if name is None:
+            raise UnboundSizeError(f"{size}: {kind} of floats")
+        result = operands[0]
+        for operand in operands[1:]:
+            result = self.binary(name, result, operand)
+        return result
+
+
+_INDEX_OPS = {"add": "addi", "mul": "muli", "floordiv": "floordivsi", "ceildiv": "ceildivsi", "max": "maxsi", "min": "minsi"}
+
+
+def _same_shape(a: Sequence[Size], b: Sequence[Size]) -> bool:
+    return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
+
+
+def _reassociation(groups: object) -> str:
+    return "[" + ", ".join("[" + ", ".join(map(str, g)) + "]" for g in groups) + "]"  # type: ignore[attr-defined]
+
+
+def reshape_groups(source: Sequence[Size], target: Sequence[Size]) -> list[tuple[list[int], list[int]]] | None:
+    """Contiguous groups of source dims and target dims with equal products, in order (size-1 dims join
+    a neighbouring group); None when the sizes do not split that way."""
+    groups: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(source) or j < len(target):
+        src: list[int] = []
+        dst: list[int] = []
+        have: Size = 1
+        want: Size = 1
+        if i < len(source):
+            src.append(i)
+            have = source[i]
+            i += 1
+        if j < len(target):
+            dst.append(j)
+            want = target[j]
+            j += 1
+        while not same_size(have, want):
+            numerator, denominator = sympy.fraction(sympy.cancel(sympy.sympify(want) / sympy.sympify(have)))
+            grow_source = i < len(source) and (denominator == 1 or j >= len(target))
+            grow_target = j < len(target) and (numerator == 1 or i >= len(source))
+            if not grow_source and not grow_target:  # neither divides the other: take one more of each
+                grow_source, grow_target = i < len(source), j < len(target)
+                if not grow_source and not grow_target:
+                    return None
+            if grow_source:
+                src.append(i)
+                have = have * source[i]
+                i += 1
+            if grow_target:
+                dst.append(j)
+                want = want * target[j]
+                j += 1
+        groups.append((src, dst))
+    # a group of only size-1 dims on one side joins its neighbour
+    merged: list[tuple[list[int], list[int]]] = []
+    pending: tuple[list[int], list[int]] = ([], [])
+    for src, dst in groups:
+        if not src or not dst:
+            if merged:
+                merged[-1][0].extend(src)
+                merged[-1][1].extend(dst)
+            else:
+                pending[0].extend(src)
+                pending[1].extend(dst)
+            continue
+        merged.append((pending[0] + src, pending[1] + dst))
+        pending = ([], [])
+    if pending[0] or pending[1]:
+        return None
+    return merged
+
 
 def i64_array(values: Sequence[int]) -> str:
     """An `array<i64: ...>` attribute (for rules that build attributes the builder has no helper for)."""
     return _i64_array(values)
 
 
-__all__ += ["i64_array"]
+__all__ += ["i64_array", "reshape_groups"]

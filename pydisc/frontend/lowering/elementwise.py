@@ -11,6 +11,7 @@ import math
 from collections.abc import Callable
 from functools import partial
 
+import sympy
 import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
@@ -32,7 +33,8 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def promoted_dtype(*args: Value | Scalar | None) -> torch.dtype:
     """torch's result dtype for operands; a 0-d Value ranks below a dimensioned one, as in torch."""
     proxies = [
-        torch.empty((0,) if a.rank else (), dtype=a.dtype) if isinstance(a, Value) else a
+        torch.empty((0,) if a.rank else (), dtype=a.dtype) if isinstance(a, Value)
+        else (0 if a.is_integer else 0.0) if isinstance(a, sympy.Basic) else a  # a size used as a number
         for a in args
         if a is not None
     ]
@@ -122,7 +124,7 @@ _UNARY: dict[object, Emit] = {
     aten.bitwise_not.default: _unary("not"),
 }
 for _op, _emit in _UNARY.items():
-    lowering(_op)(partial(_arith, emit=_emit))
+    lowering(_op, dynamic=True)(partial(_arith, emit=_emit))
 
 
 def _periodic(b: FunctionBuilder, x: Value, name: str) -> Value:
@@ -141,7 +143,7 @@ def _trunc_emit(b: FunctionBuilder, x: Value) -> Value:
     return _trunc(b, x) if x.dtype.is_floating_point else x
 
 
-lowering(aten.trunc.default, prims.trunc.default)(partial(_arith, emit=_trunc_emit))
+lowering(aten.trunc.default, prims.trunc.default, dynamic=True)(partial(_arith, emit=_trunc_emit))
 
 
 def _log2(b: FunctionBuilder, x: Value) -> Value:
@@ -156,9 +158,9 @@ def _exp2(b: FunctionBuilder, x: Value) -> Value:
     return b.binary("power", b.full(x.shape, 2, x.dtype), x)
 
 
-lowering(aten.log2.default)(partial(_arith, emit=_log2))
-lowering(aten.log10.default)(partial(_arith, emit=_log10))
-lowering(aten.exp2.default)(partial(_arith, emit=_exp2))
+lowering(aten.log2.default, dynamic=True)(partial(_arith, emit=_log2))
+lowering(aten.log10.default, dynamic=True)(partial(_arith, emit=_log10))
+lowering(aten.exp2.default, dynamic=True)(partial(_arith, emit=_exp2))
 
 _BINARY: dict[object, Emit] = {
     aten.mul.Tensor: _binary("multiply"),
@@ -180,7 +182,7 @@ _BINARY: dict[object, Emit] = {
     prims.sub.default: _binary("subtract"),
 }
 for _op, _emit in _BINARY.items():
-    lowering(_op)(partial(_arith, emit=_emit))
+    lowering(_op, dynamic=True)(partial(_arith, emit=_emit))
 
 
 def _signbit(b: FunctionBuilder, x: Value) -> Value:
@@ -204,10 +206,10 @@ def _atan2(b: FunctionBuilder, y: Value, x: Value) -> Value:
     return b.select(_signbit(b, y), b.unary("negate", magnitude), magnitude)
 
 
-lowering(aten.atan2.default)(partial(_arith, emit=_atan2))
+lowering(aten.atan2.default, dynamic=True)(partial(_arith, emit=_atan2))
 
 
-@lowering(aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.rsub.Tensor, aten.rsub.Scalar)
+@lowering(aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.rsub.Tensor, aten.rsub.Scalar, dynamic=True)
 def _add_sub(ctx: LoweringContext, x: Value | Scalar, y: Value | Scalar, alpha: Scalar = 1) -> Value:
     op = ctx.node.target
     name = "add" if op in (aten.add.Tensor, aten.add.Scalar) else "subtract"
@@ -269,14 +271,14 @@ def _divide(b: FunctionBuilder, x: Value, y: Value, rounding_mode: str | None) -
     return _floor_divide_int(b, x, y)
 
 
-@lowering(aten.div.Tensor, aten.div.Scalar, aten.div.Tensor_mode, aten.div.Scalar_mode, aten.floor_divide.default)
+@lowering(aten.div.Tensor, aten.div.Scalar, aten.div.Tensor_mode, aten.div.Scalar_mode, aten.floor_divide.default, dynamic=True)
 def _div(ctx: LoweringContext, x: Value | Scalar, y: Value | Scalar, *, rounding_mode: str | None = None) -> Value:
     if ctx.node.target is aten.floor_divide.default:
         rounding_mode = "floor"
     return _arith(ctx, x, y, emit=partial(_divide, rounding_mode=rounding_mode))
 
 
-@lowering(prims.div.default)
+@lowering(prims.div.default, dynamic=True)
 def _prims_div(ctx: LoweringContext, x: Value, y: Value) -> Value:
     # prims.div truncates for integers and is true division for floats: StableHLO's divide exactly.
     return _arith(ctx, x, y, emit=_binary("divide"))
@@ -290,7 +292,7 @@ def _remainder_emit(b: FunctionBuilder, x: Value, y: Value) -> Value:
     return b.select(fix, b.binary("add", rem, y), rem)
 
 
-lowering(aten.remainder.Tensor, aten.remainder.Scalar)(partial(_arith, emit=_remainder_emit))
+lowering(aten.remainder.Tensor, aten.remainder.Scalar, dynamic=True)(partial(_arith, emit=_remainder_emit))
 
 
 def _pow_emit(b: FunctionBuilder, x: Value, y: Value) -> Value:
@@ -310,7 +312,7 @@ def _pow_emit(b: FunctionBuilder, x: Value, y: Value) -> Value:
     return b.select(b.compare("EQ", x, one), one, result)
 
 
-@lowering(aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar)
+@lowering(aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar, dynamic=True)
 def _pow(ctx: LoweringContext, x: Value | Scalar, y: Value | Scalar) -> Value:
     if not isinstance(y, Value) and y == 2:
         return _arith(ctx, x, emit=lambda b, v: b.binary("multiply", v, v))
@@ -319,7 +321,7 @@ def _pow(ctx: LoweringContext, x: Value | Scalar, y: Value | Scalar) -> Value:
     return _arith(ctx, x, y, emit=_pow_emit)
 
 
-@lowering(aten.clamp.default, aten.clamp.Tensor)
+@lowering(aten.clamp.default, aten.clamp.Tensor, dynamic=True)
 def _clamp(ctx: LoweringContext, x: Value, min: Value | Scalar | None = None, max: Value | Scalar | None = None) -> Value:
     b = ctx.builder
     dtype = compute_dtype(ctx.out_dtype)
@@ -332,7 +334,7 @@ def _clamp(ctx: LoweringContext, x: Value, min: Value | Scalar | None = None, ma
     return b.convert(result, ctx.out_dtype)
 
 
-@lowering(aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar, prims.where.default)
+@lowering(aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar, prims.where.default, dynamic=True)
 def _where(ctx: LoweringContext, cond: Value, x: Value | Scalar, y: Value | Scalar) -> Value:
     b = ctx.builder
     shape = ctx.out_spec.shape
@@ -349,7 +351,7 @@ def _compare(ctx: LoweringContext, x: Value | Scalar, y: Value | Scalar, *, dire
 
 for _name, _direction in {"eq": "EQ", "ne": "NE", "lt": "LT", "le": "LE", "gt": "GT", "ge": "GE"}.items():
     _packet = getattr(aten, _name)
-    lowering(_packet.Tensor, _packet.Scalar)(partial(_compare, direction=_direction))
+    lowering(_packet.Tensor, _packet.Scalar, dynamic=True)(partial(_compare, direction=_direction))
 
 
 def _logical(ctx: LoweringContext, *args: Value | Scalar, name: str) -> Value:
@@ -360,13 +362,13 @@ def _logical(ctx: LoweringContext, *args: Value | Scalar, name: str) -> Value:
     return b.convert(result, ctx.out_dtype)
 
 
-lowering(aten.logical_and.default)(partial(_logical, name="and"))
-lowering(aten.logical_or.default)(partial(_logical, name="or"))
-lowering(aten.logical_xor.default)(partial(_logical, name="xor"))
-lowering(aten.logical_not.default)(partial(_logical, name="not"))
+lowering(aten.logical_and.default, dynamic=True)(partial(_logical, name="and"))
+lowering(aten.logical_or.default, dynamic=True)(partial(_logical, name="or"))
+lowering(aten.logical_xor.default, dynamic=True)(partial(_logical, name="xor"))
+lowering(aten.logical_not.default, dynamic=True)(partial(_logical, name="not"))
 
 
-@lowering(aten.isnan.default)
+@lowering(aten.isnan.default, dynamic=True)
 def _isnan_rule(ctx: LoweringContext, x: Value) -> Value:
     b = ctx.builder
     if not x.dtype.is_floating_point:
@@ -374,7 +376,7 @@ def _isnan_rule(ctx: LoweringContext, x: Value) -> Value:
     return _isnan(b, x)
 
 
-@lowering(aten.isinf.default)
+@lowering(aten.isinf.default, dynamic=True)
 def _isinf(ctx: LoweringContext, x: Value) -> Value:
     b = ctx.builder
     if not x.dtype.is_floating_point:

@@ -13,6 +13,7 @@ from pydisc.frontend.lowering.builder import FunctionBuilder, TensorSpec, Value,
 from pydisc.frontend.lowering.elementwise import as_operand
 from pydisc.frontend.lowering.registry import LoweringContext, lowering, support_check
 from pydisc.frontend.lowering.shape import normalize_dim
+from pydisc.frontend.lowering.symbolic import DynamicShapeError, is_static, same_size, size_of
 
 __all__ = ["scatter"]
 
@@ -64,7 +65,7 @@ def _full_coordinates(b: FunctionBuilder, index: Value, dim: int, size: int) -> 
     return b.concatenate(columns, index.rank)
 
 
-@lowering(aten.gather.default)
+@lowering(aten.gather.default, dynamic=True)
 def _gather_rule(ctx: LoweringContext, x: Value, dim: int, index: Value, *, sparse_grad: bool = False) -> Value:
     b = ctx.builder
     if x.rank == 0:
@@ -78,7 +79,7 @@ def _gather_rule(ctx: LoweringContext, x: Value, dim: int, index: Value, *, spar
     )
 
 
-@lowering(aten.index_select.default)
+@lowering(aten.index_select.default, dynamic=True)
 def _index_select(ctx: LoweringContext, x: Value, dim: int, index: Value) -> Value:
     b = ctx.builder
     dim = normalize_dim(dim, x.rank)
@@ -93,7 +94,7 @@ def _index_select(ctx: LoweringContext, x: Value, dim: int, index: Value) -> Val
     )
 
 
-@lowering(aten.embedding.default)
+@lowering(aten.embedding.default, dynamic=True)
 def _embedding(ctx: LoweringContext, weight: Value, indices: Value, *_: object) -> Value:
     b = ctx.builder
     indices = b.convert(indices, torch.int64)
@@ -103,11 +104,13 @@ def _embedding(ctx: LoweringContext, weight: Value, indices: Value, *_: object) 
     )
 
 
-@lowering(aten.index.Tensor)
+@lowering(aten.index.Tensor, dynamic=True)
 def _index(ctx: LoweringContext, x: Value, indices: Sequence[Value | None]) -> Value:
     """x[i0, i1, ...] with leading index tensors (broadcast together) and trailing full slices."""
     b = ctx.builder
     count = len(indices)
+    if not ctx.out_spec.is_static:
+        return _dynamic_index(b, x, indices, ctx.out_spec)  # type: ignore[arg-type]
     batch = torch.broadcast_shapes(*(i.shape for i in indices))  # type: ignore[union-attr]
     columns = [
         b.reshape(b.broadcast_to(_wrap_negative(b, i, x.shape[d]), batch), (*batch, 1))  # type: ignore[arg-type]
@@ -116,6 +119,25 @@ def _index(ctx: LoweringContext, x: Value, indices: Sequence[Value | None]) -> V
     coords = b.concatenate(columns, len(batch))
     return _gather(
         b, x, coords, ctx.out_spec, offset_dims=range(len(batch), len(batch) + x.rank - count),
+        collapsed=range(count), start_index_map=range(count), index_vector_dim=len(batch),
+        slice_sizes=[1] * count + list(x.shape[count:]),
+    )
+
+
+def _dynamic_index(b: FunctionBuilder, x: Value, indices: Sequence[Value], out: TensorSpec) -> Value:
+    """`_index` with dynamic sizes. A single index tensor is used as is, with an implicit index vector
+    dim: IREE 3.13 fails to compile a gather whose indices are `tensor<?x1xi64>`."""
+    count = len(indices)
+    batch = out.shape[: out.rank - (x.rank - count)]
+    if count == 1:
+        coords = _wrap_negative(b, indices[0], x.shape[0])
+    else:
+        columns = [
+            b.reshape(b.broadcast_to(_wrap_negative(b, i, x.shape[d]), batch), (*batch, 1)) for d, i in enumerate(indices)
+        ]
+        coords = b.concatenate(columns, len(batch))
+    return _gather(
+        b, x, coords, out, offset_dims=range(len(batch), len(batch) + x.rank - count),
         collapsed=range(count), start_index_map=range(count), index_vector_dim=len(batch),
         slice_sizes=[1] * count + list(x.shape[count:]),
     )
@@ -163,14 +185,14 @@ def _updates(b: FunctionBuilder, src: Value | float, index: Value, dtype: torch.
     return b.convert(b.slice(src, [0] * src.rank, index.shape, [1] * src.rank), dtype)
 
 
-@lowering(aten.scatter.value, aten.scatter.src)
+@lowering(aten.scatter.value, aten.scatter.src, dynamic=True)
 def _scatter_rule(ctx: LoweringContext, x: Value, dim: int, index: Value, src: Value | float) -> Value:
     if x.rank == 0:
         return ctx.builder.reshape(_updates(ctx.builder, src, ctx.builder.reshape(index, (1,)), x.dtype), ())
     return scatter(ctx.builder, x, dim, index, _updates(ctx.builder, src, index, x.dtype), None)
 
 
-@lowering(aten.scatter_add.default)
+@lowering(aten.scatter_add.default, dynamic=True)
 def _scatter_add(ctx: LoweringContext, x: Value, dim: int, index: Value, src: Value) -> Value:
     # bool + bool saturates to True in torch; i1 addition would wrap
     add = lambda b, u, v: b.binary("or" if x.dtype == torch.bool else "add", u, v)  # noqa: E731
@@ -179,7 +201,61 @@ def _scatter_add(ctx: LoweringContext, x: Value, dim: int, index: Value, src: Va
 
 @support_check(aten.scatter.value, aten.scatter.src, aten.scatter_add.default, aten.gather.default)
 def _no_empty_index(node: torch.fx.Node) -> str | None:
-    if node.args[2].meta["val"].numel() == 0:  # type: ignore[union-attr]
+    if any(size_of(d) == 0 for d in node.args[2].meta["val"].shape):  # type: ignore[union-attr]
+        return "empty index tensor"
+    return None
+
+
+@lowering(aten.index_put.default, dynamic=True)
+def _index_put(ctx: LoweringContext, x: Value, indices: Sequence[Value], values: Value, accumulate: bool = False) -> Value:
+    """x[i0, i1, ...] = values (or += with `accumulate`): a scatter of the broadcast values at the
+    coordinates given by the leading index tensors (torch's embedding backward is one)."""
+    b = ctx.builder
+    count = len(indices)
+    shapes = [i.shape for i in indices]
+    if all(is_static(s) for s in shapes):
+        batch: tuple = tuple(torch.broadcast_shapes(*shapes))
+    elif all(len(s) == len(shapes[0]) and all(same_size(p, q) for p, q in zip(s, shapes[0])) for s in shapes):
+        batch = shapes[0]
+    else:
+        raise DynamicShapeError("index_put with index tensors of different dynamic shapes")
+    if count == 1:
+        coords = b.broadcast_to(_wrap_negative(b, indices[0], x.shape[0]), batch)
+    else:
+        columns = [
+            b.reshape(b.broadcast_to(_wrap_negative(b, i, x.shape[d]), batch), (*batch, 1)) for d, i in enumerate(indices)
+        ]
+        coords = b.concatenate(columns, len(batch))
+    updates = b.broadcast_to(b.convert(values, x.dtype), (*batch, *x.shape[count:]))
+    window = range(len(batch), len(batch) + x.rank - count)
+    numbers = (
+        f"#stablehlo.scatter<update_window_dims = {_dims(window)}, inserted_window_dims = {_dims(range(count))}, "
+        f"scatter_dims_to_operand_dims = {_dims(range(count))}, index_vector_dim = {len(batch)}>"
+    )
+    scalar = TensorSpec((), x.dtype)
+
+    def body(current: Value, update: Value) -> list[Value]:
+        if not accumulate:
+            return [update]
+        return [b.binary("or" if x.dtype == torch.bool else "add", current, update)]
+
+    return b.op(
+        "stablehlo.scatter",
+        [b.fresh_copy(x), coords, updates],
+        x.type,
+        {"scatter_dimension_numbers": numbers, "indices_are_sorted": "false", "unique_indices": "false"},
+        regions=[b.block([scalar, scalar], body)],
+    )  # type: ignore[return-value]
+
+
+@support_check(aten.index_put.default)
+def _index_put_check(node: torch.fx.Node) -> str | None:
+    indices = node.args[1]
+    if any(i is None for i in indices):  # type: ignore[union-attr]
+        return "index_put with None (slice) entries"
+    if any(i.meta["val"].dtype == torch.bool for i in indices):  # type: ignore[union-attr]
+        return "index_put with a boolean mask"
+    if any(size_of(d) == 0 for i in indices for d in i.meta["val"].shape):  # type: ignore[union-attr]
         return "empty index tensor"
     return None
 

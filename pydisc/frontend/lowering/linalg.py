@@ -26,27 +26,27 @@ def matmul(
     return b.convert(b.dot_general(lhs, rhs, batch, contract, compute_dtype(dtype)), dtype)
 
 
-@lowering(aten.mm.default)
+@lowering(aten.mm.default, dynamic=True)
 def _mm(ctx: LoweringContext, a: Value, b_: Value) -> Value:
     return matmul(ctx.builder, a, b_, ([], []), ([1], [0]), ctx.out_dtype)
 
 
-@lowering(aten.bmm.default)
+@lowering(aten.bmm.default, dynamic=True)
 def _bmm(ctx: LoweringContext, a: Value, b_: Value) -> Value:
     return matmul(ctx.builder, a, b_, ([0], [0]), ([2], [1]), ctx.out_dtype)
 
 
-@lowering(aten.dot.default)
+@lowering(aten.dot.default, dynamic=True)
 def _dot(ctx: LoweringContext, a: Value, b_: Value) -> Value:
     return matmul(ctx.builder, a, b_, ([], []), ([0], [0]), ctx.out_dtype)
 
 
-@lowering(aten.mv.default)
+@lowering(aten.mv.default, dynamic=True)
 def _mv(ctx: LoweringContext, a: Value, v: Value) -> Value:
     return matmul(ctx.builder, a, v, ([], []), ([1], [0]), ctx.out_dtype)
 
 
-@lowering(aten.addmm.default)
+@lowering(aten.addmm.default, dynamic=True)
 def _addmm(ctx: LoweringContext, bias: Value, a: Value, b_: Value, *, beta: float = 1, alpha: float = 1) -> Value:
     b = ctx.builder
     out = ctx.out_spec

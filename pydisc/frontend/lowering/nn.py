@@ -4,6 +4,9 @@ max_pool2d_with_indices (forward and backward) and avg_pool2d.
 The convolution backward follows the usual identities: grad_input is a transposed convolution of the
 output gradient with the weight, grad_weight a convolution of the input with the output gradient
 (batch and feature roles swapped), grad_bias a sum.
+
+With dynamic sizes, only the batch dim (dim 0 of activations) may be dynamic: the window arithmetic
+of the spatial dims stays static (`_batch_only`).
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from pydisc.frontend.lowering.indexing import scatter
 from pydisc.frontend.lowering.linalg import matmul  # noqa: F401  (rules for mm/bmm live there)
 from pydisc.frontend.lowering.reductions import reduce_sum
 from pydisc.frontend.lowering.registry import LoweringContext, lowering, support_check
+from pydisc.frontend.lowering.symbolic import size_of
 
 __all__: list[str] = []
 
@@ -112,7 +116,27 @@ def _transposed_conv(
     )
 
 
-@lowering(aten.convolution.default)
+def _batch_only(node: torch.fx.Node, weight: int | None = None) -> str | None:
+    """A reason unless every dynamic dim is dim 0 of an activation (not of the weight, argument
+    `weight`)."""
+    for k, arg in enumerate(node.all_input_nodes + [node]):
+        vals = arg.meta.get("val")
+        for v in vals if isinstance(vals, (tuple, list)) else (vals,):
+            if not isinstance(v, torch.Tensor):
+                continue
+            shape = [size_of(d) for d in v.shape]
+            first = 0 if arg is node or weight is None or node.args[weight] is not arg else -1
+            if any(type(d) is not int for i, d in enumerate(shape) if i != first):
+                return f"{node.target} with a dynamic dim other than the batch"
+    return None
+
+
+@support_check(aten.convolution.default, aten.max_pool2d_with_indices.default, aten.max_pool2d_with_indices_backward.default)
+def _convolution_check(node: torch.fx.Node) -> str | None:
+    return _batch_only(node, weight=1 if node.target is aten.convolution.default else None)
+
+
+@lowering(aten.convolution.default, dynamic=True)
 def _convolution(
     ctx: LoweringContext, x: Value, weight: Value, bias: Value | None, stride: Sequence[int],
     padding: Sequence[int], dilation: Sequence[int], transposed: bool, output_padding: Sequence[int],
@@ -132,7 +156,7 @@ def _convolution(
     return _add_bias(b, y, bias)
 
 
-@lowering(aten.convolution_backward.default)
+@lowering(aten.convolution_backward.default, dynamic=True)
 def _convolution_backward(
     ctx: LoweringContext, grad: Value, x: Value, weight: Value, bias_sizes: Sequence[int] | None,
     stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], transposed: bool,
@@ -171,7 +195,7 @@ def _convolution_backward(
 def _conv_backward_check(node: torch.fx.Node) -> str | None:
     if node.args[7]:
         return "backward of a transposed convolution"
-    return None
+    return _batch_only(node, weight=2)
 
 
 # ---- pooling ------------------------------------------------------------------------------------
@@ -187,7 +211,7 @@ def _lowest(dtype: torch.dtype) -> float | int:
     return -math.inf if dtype.is_floating_point else torch.iinfo(dtype).min
 
 
-@lowering(aten.max_pool2d_with_indices.default)
+@lowering(aten.max_pool2d_with_indices.default, dynamic=True)
 def _max_pool2d_with_indices(
     ctx: LoweringContext, x: Value, kernel_size: Sequence[int], stride: Sequence[int] = (),
     padding: Sequence[int] = (0,), dilation: Sequence[int] = (1,), ceil_mode: bool = False,
@@ -231,7 +255,7 @@ def _max_pool2d_with_indices(
     return best, index  # type: ignore[return-value]
 
 
-@lowering(aten.max_pool2d_with_indices_backward.default)
+@lowering(aten.max_pool2d_with_indices_backward.default, dynamic=True)
 def _max_pool2d_backward(
     ctx: LoweringContext, grad: Value, x: Value, kernel_size: Sequence[int], stride: Sequence[int],
     padding: Sequence[int], dilation: Sequence[int], ceil_mode: bool, indices: Value,
@@ -246,7 +270,7 @@ def _max_pool2d_backward(
     return b.reshape(summed, x.shape)
 
 
-@lowering(aten.avg_pool2d.default)
+@lowering(aten.avg_pool2d.default, dynamic=True)
 def _avg_pool2d(
     ctx: LoweringContext, x: Value, kernel_size: Sequence[int], stride: Sequence[int] = (),
     padding: Sequence[int] = (0,), ceil_mode: bool = False, count_include_pad: bool = True,
@@ -257,6 +281,8 @@ def _avg_pool2d(
     lead = x.rank - 2
     acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
     xs = b.convert(x, acc)
+    if not x.type.is_static:  # IREE 3.13 cannot lower a reduce_window of dynamic shape
+        return _avg_pool2d_by_slices(ctx, xs, kernel, stride, padding, count_include_pad, divisor_override)
     window = [1] * lead + kernel
     strides = [1] * lead + stride
     pads = [(0, 0)] * lead + [(p, p) for p in padding]
@@ -272,9 +298,37 @@ def _avg_pool2d(
     return b.convert(b.binary("divide", total, count), ctx.out_dtype)
 
 
+def _avg_pool2d_by_slices(
+    ctx: LoweringContext, x: Value, kernel: list[int], stride: list[int], padding: list[int],
+    count_include_pad: bool, divisor_override: int | None,
+) -> Value:
+    """The window sums as k*k strided slices of the zero-padded input, added; the divisor per output
+    position depends only on the (static) spatial sizes, so it is computed here."""
+    b = ctx.builder
+    lead = x.rank - 2
+    out = ctx.out_spec.with_dtype(x.dtype)
+    padded = b.pad(x, b.constant(0, x.dtype), [0] * lead + padding, [0] * lead + padding, [0] * x.rank)
+    total = None
+    for i in range(kernel[0]):
+        for j in range(kernel[1]):
+            starts = [0] * lead + [i, j]
+            limits = list(padded.shape[:lead]) + [
+                starts[lead + d] + (out.shape[lead + d] - 1) * stride[d] + 1 for d in range(2)
+            ]
+            window = b.slice(padded, starts, limits, [1] * lead + stride, shape=out.shape)
+            total = window if total is None else b.binary("add", total, window)
+    if divisor_override or count_include_pad:
+        count = b.full(out.shape, divisor_override or kernel[0] * kernel[1], x.dtype)
+    else:
+        ones = torch.ones(1, 1, *x.shape[-2:])
+        per_position = torch.nn.functional.avg_pool2d(ones, kernel, stride, padding, divisor_override=1)[0, 0]
+        count = b.broadcast_in_dim(b.literal(per_position.to(x.dtype)), out.shape, [lead, lead + 1])
+    return b.convert(b.binary("divide", total, count), ctx.out_dtype)  # type: ignore[arg-type]
+
+
 @support_check(aten.avg_pool2d.default)
 def _avg_pool_check(node: torch.fx.Node) -> str | None:
     args = list(node.args) + [None] * 7
     if args[4]:
         return "avg_pool2d with ceil_mode"
-    return None
+    return _batch_only(node)

@@ -13,6 +13,7 @@ import torch
 from pydisc.frontend.lowering.builder import FunctionBuilder, Value
 from pydisc.frontend.lowering.elementwise import compute_dtype
 from pydisc.frontend.lowering.registry import LoweringContext, lowering
+from pydisc.frontend.lowering.symbolic import size_max
 
 __all__ = ["reduce_dims", "reduce_sum"]
 
@@ -60,13 +61,13 @@ def reduce_sum(b: FunctionBuilder, x: Value, dims: Sequence[int], dtype: torch.d
     return b.convert(_reduce(b, b.convert(x, acc), dims, "add"), dtype)
 
 
-@lowering(aten.sum.default, aten.sum.dim_IntList, prims.sum.default)
+@lowering(aten.sum.default, aten.sum.dim_IntList, prims.sum.default, dynamic=True)
 def _sum(ctx: LoweringContext, x: Value, dim: Sequence[int] | None = None, keepdim: bool = False, **_: object) -> Value:
     b = ctx.builder
     return b.reshape(reduce_sum(b, x, reduce_dims(x, dim), ctx.out_dtype), ctx.out_spec.shape)
 
 
-@lowering(aten.mean.default, aten.mean.dim)
+@lowering(aten.mean.default, aten.mean.dim, dynamic=True)
 def _mean(ctx: LoweringContext, x: Value, dim: Sequence[int] | None = None, keepdim: bool = False, **_: object) -> Value:
     b = ctx.builder
     dims = reduce_dims(x, dim)
@@ -77,7 +78,7 @@ def _mean(ctx: LoweringContext, x: Value, dim: Sequence[int] | None = None, keep
     return b.reshape(b.convert(mean, ctx.out_dtype), ctx.out_spec.shape)
 
 
-@lowering(aten.prod.default, aten.prod.dim_int)
+@lowering(aten.prod.default, aten.prod.dim_int, dynamic=True)
 def _prod(ctx: LoweringContext, x: Value, dim: int | None = None, keepdim: bool = False, **_: object) -> Value:
     b = ctx.builder
     acc = compute_dtype(ctx.out_dtype)
@@ -91,17 +92,17 @@ def _extreme(ctx: LoweringContext, x: Value, dim: Sequence[int] | int | None, ki
     return b.reshape(result, ctx.out_spec.shape)
 
 
-@lowering(aten.amax.default, aten.max.default, prims.amax.default)
+@lowering(aten.amax.default, aten.max.default, prims.amax.default, dynamic=True)
 def _amax(ctx: LoweringContext, x: Value, dim: Sequence[int] | None = None, keepdim: bool = False) -> Value:
     return _extreme(ctx, x, dim, "maximum")
 
 
-@lowering(aten.amin.default, aten.min.default, prims.amin.default)
+@lowering(aten.amin.default, aten.min.default, prims.amin.default, dynamic=True)
 def _amin(ctx: LoweringContext, x: Value, dim: Sequence[int] | None = None, keepdim: bool = False) -> Value:
     return _extreme(ctx, x, dim, "minimum")
 
 
-@lowering(aten.any.default, aten.any.dim, aten.any.dims, aten.all.default, aten.all.dim, aten.all.dims)
+@lowering(aten.any.default, aten.any.dim, aten.any.dims, aten.all.default, aten.all.dim, aten.all.dims, dynamic=True)
 def _any_all(ctx: LoweringContext, x: Value, dim: int | Sequence[int] | None = None, keepdim: bool = False) -> Value:
     b = ctx.builder
     kind = "or" if ctx.node.target in (aten.any.default, aten.any.dim, aten.any.dims) else "and"
@@ -141,12 +142,12 @@ def _arg_rule(ctx: LoweringContext, x: Value, dim: int | None, direction: str) -
     return b.reshape(index, ctx.out_spec.shape)
 
 
-@lowering(aten.argmax.default)
+@lowering(aten.argmax.default, dynamic=True)
 def _argmax(ctx: LoweringContext, x: Value, dim: int | None = None, keepdim: bool = False) -> Value:
     return _arg_rule(ctx, x, dim, "GT")
 
 
-@lowering(aten.argmin.default)
+@lowering(aten.argmin.default, dynamic=True)
 def _argmin(ctx: LoweringContext, x: Value, dim: int | None = None, keepdim: bool = False) -> Value:
     return _arg_rule(ctx, x, dim, "LT")
 
@@ -159,12 +160,12 @@ def _max_min_dim(ctx: LoweringContext, x: Value, dim: int, direction: str) -> tu
     return b.reshape(values, ctx.out[0].shape), b.reshape(index, ctx.out[1].shape)
 
 
-@lowering(aten.max.dim)
+@lowering(aten.max.dim, dynamic=True)
 def _max_dim(ctx: LoweringContext, x: Value, dim: int, keepdim: bool = False) -> tuple[Value, Value]:
     return _max_min_dim(ctx, x, dim, "GT")
 
 
-@lowering(aten.min.dim)
+@lowering(aten.min.dim, dynamic=True)
 def _min_dim(ctx: LoweringContext, x: Value, dim: int, keepdim: bool = False) -> tuple[Value, Value]:
     return _max_min_dim(ctx, x, dim, "LT")
 
@@ -179,25 +180,27 @@ def _variance(b: FunctionBuilder, x: Value, dims: list[int], correction: float, 
     mean = b.reshape(b.binary("divide", total, b.full(total.shape, count, acc)), kept)
     centered = b.binary("subtract", x, b.broadcast_to(mean, x.shape))
     squares = _reduce(b, b.binary("multiply", centered, centered), dims, "add")
-    var = b.binary("divide", squares, b.full(squares.shape, max(count - correction, 0), acc))
+    if float(correction).is_integer():  # keeps a symbolic count an integer expression
+        correction = int(correction)
+    var = b.binary("divide", squares, b.full(squares.shape, size_max(count - correction, 0), acc))
     return b.reshape(var, kept), mean
 
 
-@lowering(prims.var.default)
+@lowering(prims.var.default, dynamic=True)
 def _prims_var(ctx: LoweringContext, x: Value, dims: Sequence[int] | None, correction: float = 1, *, output_dtype: torch.dtype | None = None) -> Value:
     b = ctx.builder
     var, _ = _variance(b, x, reduce_dims(x, dims), correction, ctx.out_dtype)
     return b.reshape(b.convert(var, ctx.out_dtype), ctx.out_spec.shape)
 
 
-@lowering(aten.var.correction)
+@lowering(aten.var.correction, dynamic=True)
 def _var(ctx: LoweringContext, x: Value, dim: Sequence[int] | None = None, *, correction: float | None = None, keepdim: bool = False) -> Value:
     b = ctx.builder
     var, _ = _variance(b, x, reduce_dims(x, dim), 1 if correction is None else correction, ctx.out_dtype)
     return b.reshape(b.convert(var, ctx.out_dtype), ctx.out_spec.shape)
 
 
-@lowering(aten.var_mean.correction)
+@lowering(aten.var_mean.correction, dynamic=True)
 def _var_mean(ctx: LoweringContext, x: Value, dim: Sequence[int] | None = None, *, correction: float | None = None, keepdim: bool = False) -> tuple[Value, Value]:
     b = ctx.builder
     var, mean = _variance(b, x, reduce_dims(x, dim), 1 if correction is None else correction, ctx.out_dtype)

@@ -4,6 +4,11 @@ A rule receives a `LoweringContext` and the op's arguments with every tensor arg
 by its IR `Value`; Python scalars, int lists, dtypes and None pass through unchanged. It returns the
 result `Value` (or a tuple of them for multi-output ops). Shapes and dtypes of results come from the
 recorded FX metadata (`ctx.out`), never from looking at emitted text.
+
+Dynamic dims (sympy expressions, from a graph traced with symbolic sizes) reach a rule only if it was
+registered with `dynamic=True`: it then builds shapes through the builder's helpers and may receive
+sizes (int arguments such as a slice bound) as sympy expressions. For any other rule, a node with a
+dynamic dim or a symbolic argument is unsupported, so the partitioner leaves it to eager execution.
 """
 from __future__ import annotations
 
@@ -16,8 +21,12 @@ import torch._prims  # noqa: F401  (registers the prims ops some decompositions 
 from torch._ops import OpOverload
 
 from pydisc.frontend.lowering.builder import FunctionBuilder, TensorSpec, Value
+from pydisc.frontend.lowering.symbolic import size_of
 
-__all__ = ["LOWERINGS", "SUPPORT_CHECKS", "LoweringContext", "LoweringError", "Rule", "lowering", "spec_of", "support_check"]
+__all__ = [
+    "DYNAMIC_RULES", "LOWERINGS", "SUPPORT_CHECKS", "LoweringContext", "LoweringError", "Rule", "lowering", "spec_of",
+    "support_check",
+]
 
 
 class LoweringError(Exception):
@@ -46,14 +55,20 @@ class LoweringContext:
 Rule = Callable[..., Any]
 
 LOWERINGS: dict[OpOverload, Rule] = {}
+# Ops whose rule handles dynamic dims and symbolic size arguments.
+DYNAMIC_RULES: set[OpOverload] = set()
 
 
-def lowering(*ops: OpOverload) -> Callable[[Rule], Rule]:
-    """Register `rule` for each of `ops`."""
+def lowering(*ops: OpOverload, dynamic: bool = False) -> Callable[[Rule], Rule]:
+    """Register `rule` for each of `ops`; `dynamic=True` if it handles dynamic dims."""
 
     def register(rule: Rule) -> Rule:
         for op in ops:
             LOWERINGS[op] = rule
+            if dynamic:
+                DYNAMIC_RULES.add(op)
+            else:
+                DYNAMIC_RULES.discard(op)
         return rule
 
     return register
@@ -80,4 +95,4 @@ def spec_of(val: object) -> TensorSpec:
     """The spec of a FakeTensor (or real tensor) from `node.meta["val"]`."""
     if not isinstance(val, torch.Tensor):
         raise TypeError(f"expected a tensor, got {type(val).__name__}")
-    return TensorSpec(tuple(int(d) for d in val.shape), val.dtype)
+    return TensorSpec(tuple(size_of(d) for d in val.shape), val.dtype)

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import sympy
 import torch
 
 from pydisc.frontend.lowering.builder import TensorSpec, Value
+from pydisc.frontend.lowering.symbolic import DynamicShapeError, Size, size_max, size_min
 from pydisc.frontend.lowering.elementwise import as_operand, compute_dtype
 from pydisc.frontend.lowering.registry import LoweringContext, lowering, support_check
 
@@ -32,17 +34,18 @@ def normalize_dim(dim: int, rank: int) -> int:
     aten.squeeze.dim, aten.squeeze.dims, aten.squeeze_copy.default, aten.squeeze_copy.dim,
     aten.squeeze_copy.dims, aten.unsqueeze.default, aten.unsqueeze_copy.default,
     prims.squeeze.default, aten.flatten.using_ints,
+    dynamic=True,
 )
 def _reshape(ctx: LoweringContext, x: Value, *_: object, **__: object) -> Value:
     return ctx.builder.reshape(x, ctx.out_spec.shape)
 
 
-@lowering(aten.permute.default, aten.permute_copy.default, prims.transpose.default)
+@lowering(aten.permute.default, aten.permute_copy.default, prims.transpose.default, dynamic=True)
 def _permute(ctx: LoweringContext, x: Value, dims: Sequence[int]) -> Value:
     return ctx.builder.transpose(x, [normalize_dim(d, x.rank) for d in dims])
 
 
-@lowering(aten.transpose.int, aten.transpose_copy.int)
+@lowering(aten.transpose.int, aten.transpose_copy.int, dynamic=True)
 def _transpose(ctx: LoweringContext, x: Value, dim0: int, dim1: int) -> Value:
     perm = list(range(x.rank))
     a, b = normalize_dim(dim0, x.rank), normalize_dim(dim1, x.rank)
@@ -50,12 +53,12 @@ def _transpose(ctx: LoweringContext, x: Value, dim0: int, dim1: int) -> Value:
     return ctx.builder.transpose(x, perm)
 
 
-@lowering(aten.expand.default, aten.expand_copy.default)
+@lowering(aten.expand.default, aten.expand_copy.default, dynamic=True)
 def _expand(ctx: LoweringContext, x: Value, size: Sequence[int], *, implicit: bool = False) -> Value:
     return ctx.builder.broadcast_to(x, ctx.out_spec.shape)
 
 
-@lowering(prims.broadcast_in_dim.default)
+@lowering(prims.broadcast_in_dim.default, dynamic=True)
 def _prims_broadcast(ctx: LoweringContext, x: Value, shape: Sequence[int], dims: Sequence[int]) -> Value:
     return ctx.builder.broadcast_in_dim(x, ctx.out_spec.shape, dims)
 
@@ -66,13 +69,14 @@ def _prims_broadcast(ctx: LoweringContext, x: Value, shape: Sequence[int], dims:
     aten.detach_copy.default, aten.lift_fresh_copy.default, aten.contiguous.default,
     aten._to_copy.default, prims.convert_element_type.default, aten.to.dtype,
     aten._conj.default, aten.resolve_conj.default, aten.resolve_neg.default,
+    dynamic=True,
 )
 def _convert(ctx: LoweringContext, x: Value, *_: object, **__: object) -> Value:
     # float -> int truncates toward zero and anything -> bool means != 0, as in torch (see builder).
     return ctx.builder.convert(x, ctx.out_dtype)
 
 
-@lowering(aten.copy.default, aten.copy_.default)
+@lowering(aten.copy.default, aten.copy_.default, dynamic=True)
 def _copy(ctx: LoweringContext, dst: Value, src: Value, non_blocking: bool = False) -> Value:
     b = ctx.builder
     return b.broadcast_to(b.convert(src, ctx.out_dtype), ctx.out_spec.shape)
@@ -98,9 +102,11 @@ def _comes_after(a: torch.fx.Node, b: torch.fx.Node) -> bool:
 
 
 # ---- slicing and joining ------------------------------------------------------------------------
-def _slice_bounds(size: int, start: int | None, end: int | None) -> tuple[int, int]:
+def _slice_bounds(size: Size, start: Size | None, end: Size | None) -> tuple[Size, Size]:
     start = 0 if start is None else start
     end = size if end is None else end
+    if type(size) is not int or type(start) is not int or type(end) is not int:
+        return _symbolic_slice_bounds(size, start, end)
     start = start + size if start < 0 else start
     end = end + size if end < 0 else end
     start = min(max(start, 0), size)
@@ -108,26 +114,57 @@ def _slice_bounds(size: int, start: int | None, end: int | None) -> tuple[int, i
     return start, end
 
 
-@lowering(aten.slice.Tensor, aten.slice_copy.Tensor)
-def _slice(ctx: LoweringContext, x: Value, dim: int = 0, start: int | None = None, end: int | None = None, step: int = 1) -> Value:
+def _symbolic_slice_bounds(size: Size, start: Size, end: Size) -> tuple[Size, Size]:
+    """torch's clamping of slice bounds, as size expressions computed at run time."""
+    start = _position(start, size)
+    start = start if _known_le(start, size) else size_min(start, size)
+    if type(end) is int and end >= _UNBOUNDED:
+        return start, size
+    end = _position(end, size)
+    end = end if _known_le(end, size) else size_min(end, size)
+    return start, end if _known_le(start, end) else size_max(start, end)
+
+
+_UNBOUNDED = 1 << 62  # x[a:] arrives as end = sys.maxsize
+
+
+def _position(index: Size, size: Size) -> Size:
+    """A non-negative position: -k counts from the end. A symbolic index must be provably >= 0."""
+    if type(index) is int:
+        return index + size if index < 0 else index
+    if not index.is_nonnegative:
+        raise DynamicShapeError(f"index {index} may be negative")
+    return index
+
+
+def _known_le(a: Size, b: Size) -> bool:
+    if type(a) is int and type(b) is int:
+        return a <= b
+    return bool(sympy.sympify(b - a).is_nonnegative)
+
+
+@lowering(aten.slice.Tensor, aten.slice_copy.Tensor, dynamic=True)
+def _slice(ctx: LoweringContext, x: Value, dim: int = 0, start: Size | None = None, end: Size | None = None, step: int = 1) -> Value:
     dim = normalize_dim(dim, x.rank)
     lo, hi = _slice_bounds(x.shape[dim], start, end)
     starts, limits, strides = [0] * x.rank, list(x.shape), [1] * x.rank
     starts[dim], limits[dim], strides[dim] = lo, hi, step
-    return ctx.builder.slice(x, starts, limits, strides)
+    return ctx.builder.slice(x, starts, limits, strides, shape=ctx.out_spec.shape)
 
 
-@lowering(aten.select.int, aten.select_copy.int)
-def _select(ctx: LoweringContext, x: Value, dim: int, index: int, spec: TensorSpec | None = None) -> Value:
+@lowering(aten.select.int, aten.select_copy.int, dynamic=True)
+def _select(ctx: LoweringContext, x: Value, dim: int, index: Size, spec: TensorSpec | None = None) -> Value:
     dim = normalize_dim(dim, x.rank)
-    index = index + x.shape[dim] if index < 0 else index
+    index = _position(index, x.shape[dim])
     starts, limits = [0] * x.rank, list(x.shape)
     starts[dim], limits[dim] = index, index + 1
     shape = (spec or ctx.out_spec).shape
-    return ctx.builder.reshape(ctx.builder.slice(x, starts, limits, [1] * x.rank), shape)
+    sliced_shape = list(x.shape)
+    sliced_shape[dim] = 1
+    return ctx.builder.reshape(ctx.builder.slice(x, starts, limits, [1] * x.rank, shape=sliced_shape), shape)
 
 
-@lowering(aten.cat.default)
+@lowering(aten.cat.default, dynamic=True)
 def _cat(ctx: LoweringContext, tensors: Sequence[Value], dim: int = 0) -> Value:
     b = ctx.builder
     out = ctx.out_spec
@@ -139,19 +176,19 @@ def _cat(ctx: LoweringContext, tensors: Sequence[Value], dim: int = 0) -> Value:
     return b.concatenate([b.convert(t, out.dtype) for t in parts], dim)
 
 
-@lowering(aten.split_with_sizes.default, aten.split_with_sizes_copy.default)
+@lowering(aten.split_with_sizes.default, aten.split_with_sizes_copy.default, dynamic=True)
 def _split_with_sizes(ctx: LoweringContext, x: Value, sizes: Sequence[int], dim: int = 0) -> tuple[Value, ...]:
     dim = normalize_dim(dim, x.rank)
     results, offset = [], 0
-    for size in sizes:
+    for size, spec in zip(sizes, ctx.out):
         starts, limits = [0] * x.rank, list(x.shape)
         starts[dim], limits[dim] = offset, offset + size
-        results.append(ctx.builder.slice(x, starts, limits, [1] * x.rank))
+        results.append(ctx.builder.slice(x, starts, limits, [1] * x.rank, shape=spec.shape))
         offset += size
     return tuple(results)
 
 
-@lowering(aten.unbind.int, aten.unbind_copy.int)
+@lowering(aten.unbind.int, aten.unbind_copy.int, dynamic=True)
 def _unbind(ctx: LoweringContext, x: Value, dim: int = 0) -> tuple[Value, ...]:
     dim = normalize_dim(dim, x.rank)
     return tuple(_select(ctx, x, dim, i, spec) for i, spec in enumerate(ctx.out))
@@ -167,7 +204,7 @@ def _constant_pad(ctx: LoweringContext, x: Value, pad: Sequence[int], value: flo
     return b.pad(x, b.constant(value, x.dtype), low, high, [0] * x.rank)
 
 
-@lowering(aten.flip.default)
+@lowering(aten.flip.default, dynamic=True)
 def _flip(ctx: LoweringContext, x: Value, dims: Sequence[int]) -> Value:
     return ctx.builder.reverse(x, sorted({normalize_dim(d, x.rank) for d in dims}))
 
@@ -178,14 +215,14 @@ def _fill(ctx: LoweringContext, value: float | int | bool | Value) -> Value:
     return as_operand(b, value, ctx.out_dtype, ctx.out_spec.shape)
 
 
-@lowering(aten.full.default, aten.new_full.default, aten.full_like.default)
+@lowering(aten.full.default, aten.new_full.default, aten.full_like.default, dynamic=True)
 def _full(ctx: LoweringContext, *args: object, **_: object) -> Value:
     # full(size, value), new_full(self, size, value), full_like(self, value)
     value = args[1] if ctx.node.target is not aten.new_full.default else args[2]
     return _fill(ctx, value)  # type: ignore[arg-type]
 
 
-@lowering(aten.scalar_tensor.default)
+@lowering(aten.scalar_tensor.default, dynamic=True)
 def _scalar_tensor(ctx: LoweringContext, value: float, **_: object) -> Value:
     return _fill(ctx, value)
 
@@ -194,13 +231,14 @@ def _scalar_tensor(ctx: LoweringContext, value: float, **_: object) -> Value:
     aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default, aten.empty.memory_format,
     aten.empty_like.default, aten.new_empty.default, aten.empty_strided.default,
     aten.new_empty_strided.default, aten.empty_permuted.default, aten.zero.default,
+    dynamic=True,
 )
 def _zeros(ctx: LoweringContext, *_: object, **__: object) -> Value:
     # Uninitialised memory is zeros here: deterministic, and free to materialise.
     return _fill(ctx, 0)
 
 
-@lowering(aten.ones.default, aten.ones_like.default, aten.new_ones.default)
+@lowering(aten.ones.default, aten.ones_like.default, aten.new_ones.default, dynamic=True)
 def _ones(ctx: LoweringContext, *_: object, **__: object) -> Value:
     return _fill(ctx, 1)
 
@@ -214,7 +252,7 @@ def _range(ctx: LoweringContext, start: float, step: float) -> Value:
     return b.convert(b.binary("add", scaled, b.full(out.shape, start, dtype)), out.dtype)
 
 
-@lowering(aten.arange.default, aten.arange.start, aten.arange.start_step)
+@lowering(aten.arange.default, aten.arange.start, aten.arange.start_step, dynamic=True)
 def _arange(ctx: LoweringContext, *args: float, **_: object) -> Value:
     if ctx.node.target is aten.arange.default:
         return _range(ctx, 0, 1)
@@ -222,6 +260,6 @@ def _arange(ctx: LoweringContext, *args: float, **_: object) -> Value:
     return _range(ctx, args[0], step)
 
 
-@lowering(prims.iota.default)
+@lowering(prims.iota.default, dynamic=True)
 def _iota(ctx: LoweringContext, length: int, *, start: int, step: int, **_: object) -> Value:
     return _range(ctx, start, step)
