@@ -1,0 +1,399 @@
+"""Graphs traced with symbolic sizes: emitted once with dynamic dims, planned with `plan_graph`, run at
+several sizes against eager torch, without compiling again."""
+from __future__ import annotations
+
+import operator
+import time
+from collections.abc import Callable, Sequence
+
+import pytest
+import sympy
+import torch
+import torch.nn.functional as F
+from torch._dispatch.python import enable_python_dispatcher
+from torch._dynamo.source import LocalSource
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+import pydisc.exec
+from conftest import trace
+from pydisc.frontend.decompositions import DECOMPOSITIONS
+from pydisc.frontend.emit import LoweringError, TensorSpec, emit_cluster, unsupported_reason
+from pydisc.frontend.lowering.builder import reshape_groups
+from pydisc.plan import CompiledCluster, StepPlan, plan_graph
+
+aten = torch.ops.aten
+CPU = torch.device("cpu")
+
+
+# ---- helpers --------------------------------------------------------------------------------------
+def fake_inputs(args: Sequence[torch.Tensor], dynamic: dict[int, Sequence[int]]) -> tuple[list[torch.Tensor], FakeTensorMode]:
+    """Fake copies of `args` in a fresh ShapeEnv; dims `dynamic[i]` of argument i get their own symbol."""
+    mode = FakeTensorMode(shape_env=ShapeEnv(duck_shape=False))
+    fakes = []
+    for i, arg in enumerate(args):
+        dims = dynamic.get(i, ())
+        context = StatelessSymbolicContext(
+            dynamic_sizes=[DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC for d in range(arg.dim())]
+        )
+        fakes.append(mode.from_tensor(arg, source=LocalSource(f"arg{i}"), symbolic_context=context))
+    return fakes, mode
+
+
+def symbolic_trace(fn: Callable, args: Sequence[torch.Tensor], dynamic: dict[int, Sequence[int]]) -> torch.fx.GraphModule:
+    """The functional core-ATen graph of `fn` with the `dynamic` dims symbolic, the way pydisc's
+    symbolic recording produces it."""
+    fakes, _ = fake_inputs(args, dynamic)
+    with enable_python_dispatcher():  # C++ composites (dropout, matmul) would specialise or fail
+        return make_fx(
+            torch.func.functionalize(fn, remove="mutations"), decomposition_table=DECOMPOSITIONS, tracing_mode="symbolic"
+        )(*fakes)
+
+
+@pytest.fixture
+def compiles(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every call of `compile_module` (what plan_graph compiles), by text."""
+    calls: list[str] = []
+    original = pydisc.exec.compile_module
+
+    def counting(text: str, device: torch.device):  # noqa: ANN202
+        calls.append(text)
+        return original(text, device)
+
+    monkeypatch.setattr(pydisc.exec, "compile_module", counting)
+    return calls
+
+
+def _flat(values: object) -> list[object]:
+    return list(values) if isinstance(values, (list, tuple)) else [values]
+
+
+def check_sizes(
+    fn: Callable, args: Sequence[torch.Tensor], dynamic: dict[int, Sequence[int]],
+    variants: Sequence[Sequence[torch.Tensor]], compiles: list[str], eager: Sequence[str] = (),
+    rtol: float = 1e-4, atol: float = 1e-5, seed: int | None = None,
+) -> StepPlan:
+    """Plan `fn` traced with symbolic sizes once, then run the plan at every variant's sizes and compare
+    with eager `fn`; nothing compiles after planning, and only `eager` ops run eagerly."""
+    gm = symbolic_trace(fn, args, dynamic)
+    plan = plan_graph(gm, CPU, [], 0)
+    assert plan.clusters >= 1
+    assert sorted(plan.eager_ops) == sorted(eager), plan.eager_ops
+    assert len(compiles) == plan.clusters
+    assert any("?x" in text for text in compiles)
+    sizes = set()
+    for inputs in variants:
+        if seed is not None:
+            torch.manual_seed(seed)
+        got = _flat(plan.runner(*inputs))
+        if seed is not None:
+            torch.manual_seed(seed)
+        want = _flat(fn(*inputs))
+        assert len(got) == len(want)
+        for i, (g, w) in enumerate(zip(got, want)):
+            torch.testing.assert_close(g, w, rtol=rtol, atol=atol, msg=lambda m: f"output {i}: {m}")
+        sizes.add(tuple(tuple(t.shape) for t in inputs))
+    assert len(sizes) == len(variants) >= 3
+    assert len(compiles) == plan.clusters  # one compile served every size
+    return plan
+
+
+def _compiled(plan: StepPlan) -> list[CompiledCluster]:
+    return [m for m in plan.runner.modules() if isinstance(m, CompiledCluster)]
+
+
+# ---- specs and the builder ----------------------------------------------------------------------
+def test_spec_prints_dynamic_dims() -> None:
+    s0, s1 = sympy.symbols("s0 s1", integer=True, positive=True)
+    assert str(TensorSpec((s0, 8), torch.float32)) == "tensor<?x8xf32>"
+    assert str(TensorSpec((s0 * s1, sympy.Integer(3)), torch.int64)) == "tensor<?x3xi64>"
+    spec = TensorSpec((sympy.Integer(4), 8), torch.float32)
+    assert spec.shape == (4, 8) and type(spec.shape[0]) is int and spec.is_static
+    assert not TensorSpec((s0, 8), torch.float32).is_static
+
+
+def test_reshape_groups() -> None:
+    s0, s1 = sympy.symbols("s0 s1", integer=True, positive=True)
+    assert reshape_groups((s0 * s1, 8), (s0, s1, 2, 4)) == [([0], [0, 1]), ([1], [2, 3])]
+    assert reshape_groups((s0, s1, 1), (s0 * s1,)) == [([0, 1, 2], [0])]
+    assert reshape_groups((2 * s0, s1, 4), (s0, 2, s1, 4)) == [([0], [0, 1]), ([1], [2]), ([2], [3])]
+    assert reshape_groups((s0, 4), (s0, 1, 4)) == [([0], [0]), ([1], [1, 2])]
+
+
+def test_static_graph_emits_static_types() -> None:
+    cluster = emit_cluster(trace(lambda x: (x * 2).sum(1, keepdim=True) + x, torch.randn(4, 8)))
+    assert "tensor<4x8xf32>" in cluster.text and "?" not in cluster.text
+    assert "tensor.dim" not in cluster.text and "dynamic" not in cluster.text
+    assert not cluster.dynamic
+
+
+def test_dynamic_emission_reads_sizes_from_arguments() -> None:
+    gm = symbolic_trace(lambda x, w: (x @ w).reshape(-1) * x.shape[0], [torch.randn(5, 8), torch.randn(8, 4)], {0: (0,)})
+    cluster = emit_cluster(gm)
+    assert "%arg0: tensor<?x8xf32>" in cluster.text and "%arg1: tensor<8x4xf32>" in cluster.text
+    assert "tensor.dim %arg0" in cluster.text
+    assert "tensor.collapse_shape" in cluster.text and "stablehlo.dynamic_reshape" not in cluster.text
+    assert cluster.text.count("tensor.dim") == 1  # one read per symbol, reused
+    assert cluster.outputs[0].rank == 1 and str(cluster.outputs[0]) == "tensor<?xf32>"
+    assert cluster.dynamic
+
+
+# ---- whole training steps -------------------------------------------------------------------------
+def _mlp_step(x: torch.Tensor, y: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor) -> list[torch.Tensor]:
+    def loss_fn(w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor) -> torch.Tensor:
+        h = F.relu(x @ w1.t() + b1)
+        return F.cross_entropy(h @ w2.t() + b2, y)
+
+    grads, loss = torch.func.grad_and_value(loss_fn, argnums=(0, 1, 2, 3))(w1, b1, w2, b2)
+    return [loss, *grads]
+
+
+def test_mlp_forward_backward_dynamic_batch(compiles: list[str]) -> None:
+    params = [torch.randn(16, 8), torch.randn(16), torch.randn(3, 16), torch.randn(3)]
+    batch = lambda n: [torch.randn(n, 8), torch.randint(0, 3, (n,)), *params]  # noqa: E731
+    check_sizes(_mlp_step, batch(5), {0: (0,), 1: (0,)}, [batch(n) for n in (5, 2, 17)], compiles)
+
+
+def _block_step(idx: torch.Tensor, targets: torch.Tensor, wte: torch.Tensor, wpe: torch.Tensor, ln_w: torch.Tensor,
+                ln_b: torch.Tensor, qkv_w: torch.Tensor, proj_w: torch.Tensor, head_w: torch.Tensor) -> list[torch.Tensor]:
+    """A GPT block: embeddings, layer norm, causal attention with (B*H, T, D) reshapes, gelu MLP
+    projection, cross-entropy; loss and every parameter gradient."""
+
+    def loss_fn(wte: torch.Tensor, wpe: torch.Tensor, ln_w: torch.Tensor, ln_b: torch.Tensor, qkv_w: torch.Tensor,
+                proj_w: torch.Tensor, head_w: torch.Tensor) -> torch.Tensor:
+        B, T = idx.shape
+        C, H = wte.shape[1], 2
+        D = C // H
+        x = F.embedding(idx, wte) + F.embedding(torch.arange(T), wpe)
+        h = F.layer_norm(x, (C,), ln_w, ln_b)
+        q, k, v = (h @ qkv_w.t()).split(C, dim=2)
+        q, k, v = (t.view(B, T, H, D).transpose(1, 2).reshape(B * H, T, D) for t in (q, k, v))
+        att = (q @ k.transpose(1, 2)) * D ** -0.5
+        mask = torch.arange(T)[None, :] > torch.arange(T)[:, None]
+        att = F.softmax(att.masked_fill(mask, float("-inf")), dim=-1)
+        y = (att @ v).view(B, H, T, D).transpose(1, 2).reshape(B, T, C)
+        x = x + F.gelu(y @ proj_w.t())
+        logits = x @ head_w.t()
+        return F.cross_entropy(logits.view(B * T, -1), targets.reshape(-1))
+
+    grads, loss = torch.func.grad_and_value(loss_fn, argnums=tuple(range(7)))(wte, wpe, ln_w, ln_b, qkv_w, proj_w, head_w)
+    return [loss, *grads]
+
+
+def test_transformer_block_dynamic_batch_and_length(compiles: list[str]) -> None:
+    C, V, P = 8, 11, 16
+    params = [torch.randn(V, C), torch.randn(P, C), torch.randn(C), torch.randn(C), torch.randn(3 * C, C) * 0.3,
+              torch.randn(C, C) * 0.3, torch.randn(V, C)]
+
+    def batch(B: int, T: int) -> list[torch.Tensor]:
+        return [torch.randint(0, V, (B, T)), torch.randint(0, V, (B, T)), *params]
+
+    plan = check_sizes(_block_step, batch(3, 5), {0: (0, 1), 1: (0, 1)},
+                       [batch(3, 5), batch(2, 7), batch(4, 3), batch(2, 16)], compiles)
+    texts = "\n".join(compiles)
+    for op in ("dynamic_broadcast_in_dim", "tensor.expand_shape", "tensor.collapse_shape", "dynamic_iota",
+               "stablehlo.gather", "stablehlo.scatter", "dot_general"):
+        assert op in texts, op
+    assert plan.clusters == 1
+
+
+def _cnn_step(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, b: torch.Tensor, bn_w: torch.Tensor,
+              bn_b: torch.Tensor, fc: torch.Tensor) -> list[torch.Tensor]:
+    def loss_fn(w: torch.Tensor, b: torch.Tensor, bn_w: torch.Tensor, bn_b: torch.Tensor, fc: torch.Tensor) -> torch.Tensor:
+        h = F.conv2d(x, w, b, padding=1)
+        h = F.batch_norm(h, None, None, bn_w, bn_b, training=True)
+        h = F.max_pool2d(F.relu(h), 2)
+        h = F.avg_pool2d(h, 2).flatten(1)
+        return F.cross_entropy(h @ fc.t(), y)
+
+    grads, loss = torch.func.grad_and_value(loss_fn, argnums=(0, 1, 2, 3, 4))(w, b, bn_w, bn_b, fc)
+    return [loss, *grads]
+
+
+def test_cnn_forward_backward_dynamic_batch(compiles: list[str]) -> None:
+    params = [torch.randn(4, 3, 3, 3), torch.randn(4), torch.randn(4), torch.randn(4), torch.randn(4, 16)]
+    batch = lambda n: [torch.randn(n, 3, 8, 8), torch.randint(0, 4, (n,)), *params]  # noqa: E731
+    # avg_pool2d_backward has no lowering rule, static or dynamic
+    check_sizes(_cnn_step, batch(2), {0: (0,), 1: (0,)}, [batch(n) for n in (2, 5, 3)], compiles,
+                eager=["aten.avg_pool2d_backward.default"])
+
+
+# ---- op families ----------------------------------------------------------------------------------
+def test_arange_and_mask(compiles: list[str]) -> None:
+    def fn(scores: torch.Tensor) -> list[torch.Tensor]:
+        T = scores.shape[-1]
+        causal = torch.arange(T)[None, :] <= torch.arange(T)[:, None]
+        positions = torch.arange(2, 2 + 3 * T, 3, dtype=torch.float32)
+        masked = scores.masked_fill(~causal, -1e9)
+        return [masked.softmax(-1), positions, torch.where(causal, scores, positions), torch.full((T, 2), 7.0),
+                torch.zeros_like(scores[0]) + T]
+
+    variants = [[torch.randn(n, n)] for n in (4, 2, 9)]
+    check_sizes(fn, variants[0], {0: (0, 1)}, variants, compiles)
+
+
+def test_reductions(compiles: list[str]) -> None:
+    def fn(x: torch.Tensor) -> list[torch.Tensor]:
+        return [x.sum(), x.sum(0), x.mean(1, keepdim=True), x.amax(-1), x.var(0), x.var(1, correction=0),
+                x.argmax(1), x.max(0).values, x.max(0).indices, torch.logsumexp(x, 1), x.log_softmax(0),
+                x.norm(dim=1), x.std()]
+
+    variants = [[torch.randn(n, m)] for n, m in ((5, 6), (3, 2), (8, 9))]
+    check_sizes(fn, variants[0], {0: (0, 1)}, variants, compiles)
+
+
+def test_slicing_and_joining(compiles: list[str]) -> None:
+    def fn(x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+        T = y.shape[1]
+        head, tail = x[:, :T], x[:, T:]
+        parts = x.split(2, dim=0)
+        return [head * y, tail.sum(1), x[:, 1:-1], x[:, -1], x[1], x[::2], torch.cat([x, y], 1),
+                torch.cat([x, x], 0), parts[0], x.unsqueeze(1).squeeze(1).t().contiguous(), x.flip(0),
+                x.expand(2, -1, -1) * 2]
+
+    def pair(n: int, m: int, t: int) -> list[torch.Tensor]:
+        return [torch.randn(n, m), torch.randn(n, t)]
+
+    check_sizes(fn, pair(6, 7, 3), {0: (1,), 1: (1,)}, [pair(6, 7, 3), pair(6, 5, 2), pair(6, 11, 4)], compiles)
+
+
+def test_embedding_and_its_backward(compiles: list[str]) -> None:
+    def fn(idx: torch.Tensor, table: torch.Tensor) -> list[torch.Tensor]:
+        out, vjp = torch.func.vjp(lambda t: F.embedding(idx, t), table)
+        return [out, vjp(torch.ones_like(out) * idx.unsqueeze(-1))[0], table[idx[:, 0]]]
+
+    table = torch.randn(10, 3)
+    variants = [[torch.randint(0, 10, (n, m)), table] for n, m in ((4, 3), (2, 5), (7, 2))]
+    check_sizes(fn, variants[0], {0: (0, 1)}, variants, compiles)
+
+
+def test_size_arithmetic_as_values(compiles: list[str]) -> None:
+    """Sizes used as numbers: a mean's count, n / 4, n ** -0.5, integer products."""
+
+    def fn(x: torch.Tensor) -> list[torch.Tensor]:
+        n = x.shape[0] * x.shape[1]
+        return [x * (1.0 / (n / 4)), x * x.shape[0] ** -0.5, x + n, x.new_ones(x.shape[0] // 2 + 1) * (n % 3)]
+
+    variants = [[torch.randn(n, 3)] for n in (5, 2, 8)]
+    check_sizes(fn, variants[0], {0: (0,)}, variants, compiles)
+
+
+# ---- SymInt inputs and outputs of a cluster, and what falls back ----------------------------------
+def _graph_with_size_input() -> tuple[torch.fx.GraphModule, torch.Tensor, torch.SymInt]:
+    """x (s0 x 4) and n = size 0 of x as a separate SymInt input; returns [x * 3n, 3n]."""
+    (x,), mode = fake_inputs([torch.randn(5, 4)], {0: (0,)})
+    n = x.shape[0]
+    graph = torch.fx.Graph()
+    px, pn = graph.placeholder("x"), graph.placeholder("n")
+    px.meta["val"], pn.meta["val"] = x, n
+    times = graph.call_function(operator.mul, (pn, 3))
+    times.meta["val"] = n * 3
+    scaled = graph.call_function(aten.mul.Tensor, (px, times))
+    with mode:
+        scaled.meta["val"] = x * (n * 3)
+    graph.output([scaled, times])
+    return torch.fx.GraphModule(torch.nn.Module(), graph), x, n
+
+
+def test_size_inputs_are_dropped_and_size_outputs_computed_on_the_host(compiles: list[str]) -> None:
+    gm, _, _ = _graph_with_size_input()
+    cluster = emit_cluster(gm)
+    assert cluster.arguments == (0,) and len(cluster.inputs) == 1  # n is not an argument
+    assert cluster.layout[0] == ("result", 0) and cluster.layout[1][0] == "size"
+    plan = plan_graph(gm, CPU, [], 0)
+    assert plan.clusters == 1 and not plan.eager_ops
+    (compiled,) = _compiled(plan)
+    assert "sympy" not in compiled.prepare.source
+    for rows in (5, 2, 7):
+        x = torch.randn(rows, 4)
+        scaled, times = plan.runner(x, rows)
+        assert times == 3 * rows and type(times) is int
+        torch.testing.assert_close(scaled, x * 3 * rows)
+    assert len(compiles) == 1
+
+
+def test_unbound_symbol_is_a_lowering_error_and_runs_eagerly() -> None:
+    """A size that no tensor input of the cluster carries cannot be computed in the function."""
+    (x,), mode = fake_inputs([torch.randn(5, 4)], {0: (0,)})
+    env = mode.shape_env
+    n = env.create_symintnode(env.create_symbol(6, LocalSource("n")), hint=6, source=LocalSource("n"))
+    graph = torch.fx.Graph()
+    px, pn = graph.placeholder("x"), graph.placeholder("n")
+    px.meta["val"], pn.meta["val"] = x, n
+    filled = graph.call_function(aten.full.default, ([pn, 4], 2.0), {"dtype": torch.float32})
+    with mode:
+        filled.meta["val"] = torch.full((n, 4), 2.0)
+    graph.output([filled])
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    with pytest.raises(LoweringError, match="no tensor input"):
+        emit_cluster(gm)
+    plan = plan_graph(gm, CPU, [], 0)  # warns (once per process) that the cluster runs eagerly
+    assert plan.clusters == 0
+    (out,) = plan.runner(torch.randn(3, 4), 6)
+    assert out.shape == (6, 4)
+
+
+def test_rules_without_dynamic_support_are_unsupported_not_failures() -> None:
+    gm = symbolic_trace(lambda x: [torch.sort(x, 1).values, F.pad(x, (1, 1)), x + 1], [torch.randn(5, 4)], {0: (0,)})
+    reasons = {str(n.target): unsupported_reason(n) for n in gm.graph.nodes if n.op == "call_function"}
+    assert "dynamic shapes are not supported" in reasons["aten.sort.default"]
+    assert "dynamic shapes are not supported" in reasons["aten.constant_pad_nd.default"]
+    assert reasons["aten.add.Tensor"] is None
+    conv = symbolic_trace(lambda x, w: F.conv2d(x, w), [torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3)], {0: (0, 2)})
+    node = next(n for n in conv.graph.nodes if n.target is aten.convolution.default)
+    assert "other than the batch" in unsupported_reason(node)
+
+
+def test_size_nodes_are_not_fallbacks(compiles: list[str]) -> None:
+    def fn(x: torch.Tensor) -> list[torch.Tensor]:
+        y = torch.sort(x * 2, dim=1).values  # stays eager
+        return [y.reshape(x.shape[0] * x.shape[1]) + 1, y[:, : x.shape[1] // 2].exp()]
+
+    variants = [[torch.randn(n, 4)] for n in (5, 3, 6)]
+    plan = check_sizes(fn, variants[0], {0: (0,)}, variants, compiles, eager=["aten.sort.default"])
+    assert not any("sym" in op or "built-in" in op for op in plan.eager_ops)
+
+
+def test_dropout_runs_eagerly_between_dynamic_clusters(compiles: list[str]) -> None:
+    """Random ops stay eager (torch's RNG); their sizes come from the symbolic graph at run time."""
+
+    def fn(x: torch.Tensor, w: torch.Tensor) -> list[torch.Tensor]:
+        h = aten.native_dropout(x @ w, 0.5, True)[0]
+        return [h.relu().sum(1), h * 2]
+
+    w = torch.randn(8, 4)
+    variants = [[torch.randn(n, 8), w] for n in (5, 3, 9)]
+    check_sizes(fn, variants[0], {0: (0,)}, variants, compiles, eager=["aten.native_dropout.default"], seed=3)
+
+
+def test_output_sizing_costs_microseconds(compiles: list[str]) -> None:
+    def fn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> list[torch.Tensor]:
+        h = x @ w
+        return [torch.relu(h + b), h.sum(1), h.reshape(-1)]
+
+    args = [torch.randn(5, 8), torch.randn(8, 4), torch.randn(4)]
+    plan = plan_graph(symbolic_trace(fn, args, {0: (0,)}), CPU, [], 0)
+    (compiled,) = _compiled(plan)
+    prepare = compiled.prepare
+    assert prepare is not None and "sympy" not in prepare.source
+    seen: list = []
+    compiled.prepare = lambda inputs: seen.append(inputs) or prepare(inputs)  # type: ignore[method-assign]
+    plan.runner(torch.randn(7, 8), *args[1:])
+    (inputs,) = seen
+    _, outs, _ = prepare(inputs)
+    assert [tuple(o.shape) for o in outs] == [(7, 4), (7,), (28,)]
+    start = time.perf_counter()
+    for _ in range(2000):
+        prepare(inputs)
+    per_call = (time.perf_counter() - start) / 2000
+    assert per_call < 100e-6, per_call  # typically a few us: dim reads and one torch.empty per output
+
+
+def test_static_outputs_keep_the_static_path(compiles: list[str]) -> None:
+    """A cluster with dynamic inputs but static outputs (a training step's loss and gradients) runs
+    like a static one: no per-call sizing."""
+    args = [torch.randn(5, 8), torch.randint(0, 3, (5,)), torch.randn(16, 8), torch.randn(16), torch.randn(3, 16),
+            torch.randn(3)]
+    (compiled,) = _compiled(plan_graph(symbolic_trace(_mlp_step, args, {0: (0,), 1: (0,)}), CPU, [], 0))
+    assert compiled.prepare is None
