@@ -250,7 +250,7 @@ def test_slicing_and_joining(compiles: list[str]) -> None:
         parts = x.split(2, dim=0)
         return [head * y, tail.sum(1), x[:, 1:-1], x[:, -1], x[1], x[::2], torch.cat([x, y], 1),
                 torch.cat([x, x], 0), parts[0], x.unsqueeze(1).squeeze(1).t().contiguous(), x.flip(0),
-                x.expand(2, -1, -1) * 2]
+                x.expand(2, -1, -1) * 2, x[:, x.shape[1] - 2:], x.select(1, x.shape[1] - 1), x[:, T // 2::2]]
 
     def pair(n: int, m: int, t: int) -> list[torch.Tensor]:
         return [torch.randn(n, m), torch.randn(n, t)]
@@ -340,6 +340,9 @@ def test_rules_without_dynamic_support_are_unsupported_not_failures() -> None:
     assert "dynamic shapes are not supported" in reasons["aten.sort.default"]
     assert "dynamic shapes are not supported" in reasons["aten.constant_pad_nd.default"]
     assert reasons["aten.add.Tensor"] is None
+    negative = symbolic_trace(lambda x: x[:, x.shape[1] - 10:] * 2, [torch.randn(4, 6)], {0: (1,)})
+    node = next(n for n in negative.graph.nodes if n.target is aten.slice.Tensor)
+    assert "may be negative" in unsupported_reason(node)
     conv = symbolic_trace(lambda x, w: F.conv2d(x, w), [torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3)], {0: (0, 2)})
     node = next(n for n in conv.graph.nodes if n.target is aten.convolution.default)
     assert "other than the batch" in unsupported_reason(node)

@@ -143,6 +143,26 @@ def _dynamic_index(b: FunctionBuilder, x: Value, indices: Sequence[Value], out: 
     )
 
 
+def _static_dims(node: torch.fx.Node, position: int, dims: object) -> str | None:
+    """Gathers take whole slices of these dims of argument `position`: their sizes are attributes."""
+    shape = node.args[position].meta["val"].shape  # type: ignore[union-attr]
+    if any(not isinstance(size_of(shape[d]), int) for d in dims):  # type: ignore[attr-defined]
+        return f"{node.target} taking slices of dynamic size"
+    return None
+
+
+@support_check(aten.embedding.default)
+def _embedding_check(node: torch.fx.Node) -> str | None:
+    return _static_dims(node, 0, [1])
+
+
+@support_check(aten.index_select.default)
+def _index_select_check(node: torch.fx.Node) -> str | None:
+    rank = node.args[0].meta["val"].dim()  # type: ignore[union-attr]
+    dim = int(node.args[1]) % max(rank, 1)  # type: ignore[arg-type]
+    return _static_dims(node, 0, [d for d in range(rank) if d != dim])
+
+
 @support_check(aten.index.Tensor)
 def _index_check(node: torch.fx.Node) -> str | None:
     indices = node.args[1]
@@ -150,7 +170,7 @@ def _index_check(node: torch.fx.Node) -> str | None:
         return "index with None (slice) entries"
     if any(i.meta["val"].dtype == torch.bool for i in indices):  # type: ignore[union-attr]
         return "boolean mask indexing has a data-dependent shape"
-    return None
+    return _static_dims(node, 0, range(len(indices), node.args[0].meta["val"].dim()))  # type: ignore[union-attr]
 
 
 def scatter(

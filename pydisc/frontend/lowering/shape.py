@@ -12,7 +12,7 @@ import sympy
 import torch
 
 from pydisc.frontend.lowering.builder import TensorSpec, Value
-from pydisc.frontend.lowering.symbolic import DynamicShapeError, Size, size_max, size_min
+from pydisc.frontend.lowering.symbolic import Size, size_max, size_min, size_of
 from pydisc.frontend.lowering.elementwise import as_operand, compute_dtype
 from pydisc.frontend.lowering.registry import LoweringContext, lowering, support_check
 
@@ -129,11 +129,10 @@ _UNBOUNDED = 1 << 62  # x[a:] arrives as end = sys.maxsize
 
 
 def _position(index: Size, size: Size) -> Size:
-    """A non-negative position: -k counts from the end. A symbolic index must be provably >= 0."""
+    """A non-negative position: -k counts from the end. A symbolic index is non-negative (`_bounds_check`
+    refuses the others)."""
     if type(index) is int:
         return index + size if index < 0 else index
-    if not index.is_nonnegative:
-        raise DynamicShapeError(f"index {index} may be negative")
     return index
 
 
@@ -150,6 +149,21 @@ def _slice(ctx: LoweringContext, x: Value, dim: int = 0, start: Size | None = No
     starts, limits, strides = [0] * x.rank, list(x.shape), [1] * x.rank
     starts[dim], limits[dim], strides[dim] = lo, hi, step
     return ctx.builder.slice(x, starts, limits, strides, shape=ctx.out_spec.shape)
+
+
+@support_check(aten.slice.Tensor, aten.slice_copy.Tensor, aten.select.int, aten.select_copy.int)
+def _bounds_check(node: torch.fx.Node) -> str | None:
+    """A symbolic bound must be non-negative at every size the graph is valid for (its sign decides how
+    torch clamps it): checked against the ranges the ShapeEnv knows for its symbols."""
+    names = ("start", "end") if node.target in (aten.slice.Tensor, aten.slice_copy.Tensor) else ("index",)
+    for position, name in enumerate(names, start=2):
+        value = node.args[position] if len(node.args) > position else node.kwargs.get(name)
+        val = value.meta.get("val") if isinstance(value, torch.fx.Node) else None
+        if isinstance(val, torch.SymInt) and not isinstance(size_of(val), int):
+            expr = size_of(val)
+            if not (expr.is_nonnegative or val.node.shape_env.bound_sympy(expr).lower >= 0):
+                return f"a {name} ({expr}) that may be negative"
+    return None
 
 
 @lowering(aten.select.int, aten.select_copy.int, dynamic=True)
