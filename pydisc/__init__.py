@@ -10,18 +10,22 @@ import atexit
 import gc
 
 from .diagnostics import PydiscWarning
-from .frontend.lazy_tensor import LazyTensor, StrictModeError, is_lazy, to_lazy
+from .dynamic import mark_dynamic
+from .frontend.collectives import install_collectives
+from .frontend.lazy_tensor import LazyTensor, StrictModeError, is_lazy
+from .frontend.lazy_tensor import to_lazy as _to_lazy
 from .frontend.rewrites import install_rewrites
 from .metrics import METRICS
 from .module import lazy
 from .report import metrics_report
 from .step import run_pending
 
-__all__ = ["lazy", "mark_step", "is_lazy", "to_lazy", "metrics", "reset_metrics", "metrics_report",
+__all__ = ["lazy", "mark_step", "mark_dynamic", "is_lazy", "to_lazy", "metrics", "reset_metrics", "metrics_report",
            "LazyTensor", "PydiscWarning", "StrictModeError", "__version__"]
 __version__ = "0.1.0"
 
 install_rewrites()
+install_collectives()     # after the rewrites: it wraps any rewrite of copy_
 
 
 @atexit.register
@@ -37,7 +41,30 @@ def _release_compiled() -> None:
 def mark_step() -> None:
     """Run everything recorded since the last mark. Afterwards every live lazy tensor holds device
     data and the recorded graph is dropped. A no-op when nothing is pending."""
+    METRICS.mark_steps += 1
     run_pending(None, "mark_step")
+
+
+def to_lazy(t):
+    """`t` (a tensor, or a list/tuple/dict of them) as lazy tensors on the same device, without a
+    copy: inputs of the step, like the arguments of a `pydisc.lazy` module."""
+    import torch
+
+    if isinstance(t, torch.Tensor):
+        return _to_lazy(t, step_input=True)
+    if isinstance(t, (list, tuple)):
+        return type(t)(to_lazy(x) for x in t)
+    if isinstance(t, dict):
+        return {k: to_lazy(v) for k, v in t.items()}
+    return t
+
+
+def __getattr__(name: str):
+    if name == "distributed":     # `pydisc.distributed` (imports torch.distributed when first used)
+        import importlib
+
+        return importlib.import_module(".distributed", __name__)
+    raise AttributeError("module 'pydisc' has no attribute %r" % name)
 
 
 def metrics() -> dict:

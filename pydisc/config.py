@@ -26,6 +26,7 @@ class Config:
     cache_dir: str = _env("PYDISC_CACHE_DIR")
     shape_log: str = _env("PYDISC_SHAPE_LOG")             # append each compiled cluster (python -m pydisc.precompile)
     cache_max_mb: float = float(_env("PYDISC_CACHE_MAX_MB", "2048"))
+    dynamic: bool = _env("PYDISC_DYNAMIC", "1") != "0"     # dynamic dims (0: one static plan per shape)
 
 
 CONFIG = Config()

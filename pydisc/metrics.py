@@ -18,6 +18,7 @@ class Metrics:
     disk_cache_hits: int = 0          # of those, read from the on-disk cache (docs/cache.md)
     executions: int = 0               # runs of compiled clusters
     clusters: int = 0                 # clusters created by the partitioner (distinct graphs)
+    mark_steps: int = 0               # pydisc.mark_step() calls
     steps: int = 0                    # mark_step calls that ran something
     graph_cache_hits: int = 0         # steps whose whole plan was reused
     graph_cache_misses: int = 0       # steps that had to be traced, partitioned and emitted
@@ -31,6 +32,11 @@ class Metrics:
     fallback_sources: dict = field(default_factory=dict)        # ATen op -> first user source line
     fallback_dtypes: dict = field(default_factory=dict)         # ATen op -> dtypes seen
     materialization_sources: Counter = field(default_factory=Counter)  # user source line -> reads
+    collectives: Counter = field(default_factory=Counter)       # torch.distributed op -> runs (cuts)
+    collective_seconds: float = 0.0   # time in those ops (waiting for the other ranks included)
+    dynamic_templates: int = 0        # steps recorded with symbolic sizes and planned as templates
+    dynamic_matches: int = 0          # new step structures served by a template (no compile)
+    dynamic_eager_steps: int = 0      # steps run eagerly because an input dim changed size
     numerics_checks: int = 0
     numerics_mismatches: list = field(default_factory=list)
 

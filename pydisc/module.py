@@ -16,13 +16,16 @@ def _default_device(module: torch.nn.Module) -> torch.device:
 
 def _lazy_input(x, device: torch.device):
     if isinstance(x, torch.Tensor) and not isinstance(x, LazyTensor):
+        dynamic = getattr(x, "_pydisc_dynamic", None)    # pydisc.mark_dynamic
         x = x.to(device)
         if x.storage_offset() != 0 or not x.is_contiguous() or \
                 x.untyped_storage().nbytes() != x.numel() * x.element_size():
             # a slice of a larger tensor (a batch of a dataset): copy it, so the step's input is the
             # batch alone and its plan does not depend on where in the dataset the batch sits
             x = x.clone(memory_format=torch.contiguous_format)
-        return to_lazy(x)
+        if dynamic is not None:
+            x._pydisc_dynamic = dynamic
+        return to_lazy(x, step_input=True)
     if isinstance(x, (list, tuple)):
         return type(x)(_lazy_input(v, device) for v in x)
     if isinstance(x, dict):

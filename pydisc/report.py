@@ -28,6 +28,12 @@ def metrics_report(top: int = 10) -> str:
         dtypes = ",".join(sorted(m.fallback_dtypes.get(op, ())))
         source = m.fallback_sources.get(op)
         lines.append("    %-40s %6d  %s%s" % (op, count, dtypes, ("  first at " + source) if source else ""))
+    if m.collectives:
+        total = sum(m.collectives.values())
+        per_step = " (%.1f per mark_step)" % (total / m.mark_steps) if m.mark_steps else ""
+        lines.append("  collectives (cuts)   %d%s, %.2f s in them" % (total, per_step, m.collective_seconds))
+        for op, count in m.collectives.most_common(top):
+            lines.append("    %-40s %6d" % (op, count))
     if m.recompiles:
         lines.append("  recompiles           %d" % len(m.recompiles))
         for reason in m.recompiles[-3:]:

@@ -14,8 +14,10 @@ import torch
 
 from .config import CONFIG
 from .diagnostics import explain_recompile, log, warn_once
-from .frontend.lazy_tensor import RECORDER, LazyTensor, _flat_base, _view_of_base, set_executor
-from .frontend.replay import Program, program_from_trace
+from .frontend.lazy_tensor import RECORDER, LazyTensor, _flat_base, _layout, _view_of_base, set_executor
+from . import dynamic
+from .dynamic import Binding
+from .frontend.replay import NotDynamic, Program, concrete_program, program_from_trace, symbolic_program
 from .frontend.trace import LazyStorage, Trace
 from .metrics import METRICS
 from .plan import StepPlan, build_plan
@@ -30,6 +32,7 @@ _SEEN_OPS: dict[tuple, tuple] = {}   # op sequence -> last structural key planne
 def clear_plans() -> None:
     _PLANS.clear()
     _SEEN_OPS.clear()
+    dynamic.clear()
 
 
 def _step_device(trace: Trace) -> torch.device:
@@ -127,59 +130,219 @@ def _run(trace: Trace, target: LazyTensor | None) -> None:
     executed_set = set(executed)
     remaining = [i for i in range(n) if i not in executed_set]
     outputs = _select_outputs(trace, executed, remaining)
-    key = (
-        tuple((t.numel(), t.dtype, t.device) for t in trace.storage_inputs),
-        tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in trace.real_inputs),
-        tuple(v for v in trace.values if v[0] == "in"),
-        tuple(trace.entries[i].sig for i in executed),
-        len(trace.scalars),
-        outputs,
-    )
     device = _step_device(trace)
-    inputs = list(trace.storage_inputs) + list(trace.real_inputs)
-    if trace.scalars:
-        inputs.append(torch.tensor(trace.scalars, dtype=torch.float32, device=device))
-    plan = _PLANS.get(key)
-    if plan is None:
-        sources = [trace.entries[i].source for i in executed]
-        ops = tuple(sig[0] for sig in key[3])
-        seen = _SEEN_OPS.get(ops)
-        if seen is not None:
-            # the same ops as a graph planned before: say what else changed
-            reason = explain_recompile(seen, key, sources)
-            METRICS.recompiles.append(reason)
-            log("recompiles", "planning again: %s", reason)
-        _SEEN_OPS[ops] = key
-        METRICS.graph_cache_misses += 1
-        program = program_from_trace(trace, executed, outputs)
-        try:
-            plan = build_plan(program, inputs, device, sources)
-        except KeyboardInterrupt:
-            # Ctrl-C during a long compile: finish this step eagerly, so that everything it made
-            # (optimizer state included) holds data, then stop as asked.
-            _bind(trace, outputs, program(*inputs), executed, remaining)
-            raise
-        _PLANS[key] = plan
-        RECORDER.capture_sources = True
+    scalars = torch.tensor(trace.scalars, dtype=torch.float32, device=device) if trace.scalars else None
+    inputs = list(trace.storage_inputs) + list(trace.real_inputs) + ([scalars] if scalars is not None else [])
+    if trace.symbolic is not None:
+        plan, call_inputs, perm = _plan_symbolic(trace, executed, outputs, inputs, scalars, device)
+        key = None
     else:
-        METRICS.graph_cache_hits += 1
-        RECORDER.capture_sources = CONFIG.strict
+        key = (
+            tuple((t.numel(), t.dtype, t.device) for t in trace.storage_inputs),
+            tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in trace.real_inputs),
+            tuple(v for v in trace.values if v[0] == "in"),
+            tuple(trace.entries[i].sig for i in executed),
+            len(trace.scalars),
+            outputs,
+        )
+        plan = _PLANS.get(key)
+        if plan is None:
+            plan = _plan_concrete(trace, key, executed, outputs, inputs, device, remaining)
+            if plan is None:
+                return          # ran eagerly and bound (a shape change: dynamic dims from now on)
+        else:
+            METRICS.graph_cache_hits += 1
+            RECORDER.capture_sources = CONFIG.strict
+        if type(plan) is Binding:
+            binding = plan
+            if binding.template.plan is None and not _build_template(binding, device):
+                # this step's sizes break a guard that planning added: eagerly, this once
+                plan = StepPlan(program_from_trace(trace, executed, outputs))
+                binding = None
+                _PLANS.pop(key, None)
+            if binding is not None:
+                call_inputs, perm = binding.inputs(trace, scalars), binding.perm
+                binding.template.steps += 1
+                plan = binding.template.plan
+            else:
+                call_inputs, perm = inputs, None
+        else:
+            call_inputs, perm = inputs, None
     try:
-        results = plan.runner(*inputs)
+        results = plan.runner(*call_inputs)
+        if perm is not None:
+            results = [results[k] for k in perm]
     except Exception as exc:
-        if isinstance(plan.runner, Program):
+        if isinstance(plan.runner, Program) and perm is None and key is not None:
             raise  # eager execution failed: the user's own op raised, as it would without pydisc
         warn_once("run:" + type(exc).__name__,
                   "pydisc: running a compiled step failed (%s: %s); this graph runs eagerly from "
                   "now on" % (type(exc).__name__, exc))
         METRICS.compile_failures["runtime:" + type(exc).__name__] += 1
-        program = program_from_trace(trace, executed, outputs)
-        plan = _PLANS[key] = StepPlan(program, Counter(str(e[0]) for e in program.entries))
+        program = concrete_program(trace, executed, outputs)
+        plan = StepPlan(program, Counter(str(e[0]) for e in program.entries))
+        if key is not None:
+            _PLANS[key] = plan
         results = program(*inputs)
     METRICS.steps += 1
     for op, count in plan.eager_ops.items():
         METRICS.note_fallback(op, count, plan.eager_dtypes.get(op, ()), plan.eager_sources.get(op))
     _bind(trace, outputs, results, executed, remaining)
+
+
+def _plan_concrete(trace: Trace, key: tuple, executed: list[int], outputs: tuple, inputs: list,
+                   device: torch.device, remaining: list[int]):
+    """A plan for a step structure seen for the first time: a dynamic template that matches it, or a
+    new plan. None when the step ran eagerly because a dim of an input changed size (the next step
+    records a dynamic-shape template instead of compiling for this one shape)."""
+    ops = tuple(sig[0] for sig in key[3])
+    if CONFIG.dynamic and dynamic.DYNAMIC.templates:
+        for template in dynamic.DYNAMIC.templates:
+            binding = dynamic.match_template(template, trace, executed, outputs)
+            if binding is not None:
+                dynamic.DYNAMIC.misses = 0
+                log("recompiles", "step matches a dynamic-shape plan with sizes %s", binding.sizes)
+                METRICS.dynamic_matches += 1
+                _PLANS[key] = binding
+                _SEEN_OPS[ops] = (key, list(RECORDER.input_shapes))
+                return binding
+    sources = [trace.entries[i].source for i in executed]
+    seen, seen_shapes = _SEEN_OPS.get(ops, (None, None))
+    shapes = list(RECORDER.input_shapes)
+    program = program_from_trace(trace, executed, outputs)
+    if CONFIG.dynamic and dynamic.DYNAMIC.step_mode.get(RECORDER.epoch) is False and \
+            len(dynamic.DYNAMIC.templates) < dynamic.MAX_TEMPLATES:
+        # inputs with dynamic dims, recorded concretely, and no template fits (the first step of an
+        # optimizer creates its state, later ones do not): run eagerly rather than compile for these
+        # shapes; after two such steps in a row, record the next step as a new template
+        dynamic.DYNAMIC.misses += 1
+        dynamic.DYNAMIC.force_symbolic = dynamic.DYNAMIC.misses >= 2
+        reason = "a step with dynamic inputs matches no dynamic-shape plan; it runs eagerly%s" % (
+            " and the next one is recorded as a new template" if dynamic.DYNAMIC.force_symbolic else "")
+        METRICS.recompiles.append(reason)
+        log("recompiles", "%s", reason)
+        _SEEN_OPS[ops] = (key, shapes)
+        METRICS.steps += 1
+        METRICS.dynamic_eager_steps += 1
+        _bind(trace, outputs, program(*inputs), executed, remaining)
+        return None
+    if seen is not None:
+        # the same ops as a graph planned before: say what else changed
+        changed = dynamic.changed_dims(seen_shapes, shapes, trace) if CONFIG.dynamic else {}
+        if changed and dynamic.flag(changed, ops):
+            reason = dynamic.describe(changed) + \
+                "; this step runs eagerly and the next one records these dims as dynamic"
+            METRICS.recompiles.append(reason)
+            log("recompiles", "%s", reason)
+            _SEEN_OPS[ops] = (key, shapes)
+            METRICS.steps += 1
+            METRICS.dynamic_eager_steps += 1
+            _bind(trace, outputs, program(*inputs), executed, remaining)
+            return None
+        reason = explain_recompile(seen, key, sources)
+        if "eager input" in reason and CONFIG.dynamic:
+            reason += " (an eager tensor has fixed sizes: pass it through pydisc.to_lazy() so that its " \
+                      "sizes can vary without a compile per shape)"
+        METRICS.recompiles.append(reason)
+        log("recompiles", "planning again: %s", reason)
+    _SEEN_OPS[ops] = (key, shapes)
+    METRICS.graph_cache_misses += 1
+    try:
+        plan = build_plan(program, inputs, device, sources)
+    except KeyboardInterrupt:
+        # Ctrl-C during a long compile: finish this step eagerly, so that everything it made
+        # (optimizer state included) holds data, then stop as asked.
+        _bind(trace, outputs, program(*inputs), executed, remaining)
+        raise
+    _PLANS[key] = plan
+    RECORDER.capture_sources = True
+    return plan
+
+
+def _plan_symbolic(trace: Trace, executed: list[int], outputs: tuple, inputs: list,
+                   scalars, device: torch.device):
+    """Plan a step recorded with symbolic sizes once, as a template that later steps match."""
+    sources = [trace.entries[i].source for i in executed]
+    METRICS.graph_cache_misses += 1
+    RECORDER.capture_sources = True
+    session = trace.symbolic
+    dynamic.DYNAMIC.misses = 0
+    patterns = [(o, rank, made) for o, (_, made, rank) in session.conversions.items()]
+    try:
+        program = symbolic_program(trace, executed, outputs)
+    except NotDynamic as exc:
+        reason = "a step with dynamic dims is planned for its own shapes only: %s" % exc
+        warn_once("notdynamic:" + str(exc)[:80], "pydisc: " + reason)
+        METRICS.recompiles.append(reason)
+        dynamic.DYNAMIC.covered.update(patterns)
+        program = concrete_program(trace, executed, outputs)
+        return build_plan(program, inputs, device, sources), inputs, None
+    fakes = _fake_inputs(trace, program, scalars)
+    session.note_guards(None)
+    pinned = session.specialised()
+    if pinned:
+        parts = []
+        for sym, value, where in pinned:
+            kind, index, d = session.sources[sym]
+            key = index if kind == "conv" else -1 - index
+            dynamic.DYNAMIC.blocked.add((key, d))
+            parts.append("%s dim %d was fixed to %d%s" % (
+                "step input #%d" % index if kind == "conv" else "eager tensor #%d" % index, d, value,
+                " at " + where if where else ""))
+        reason = ("dynamic dims specialised: %s (the size was compared with a fixed one: an eager "
+                  "tensor of that size, int(), range() or a Python branch); these dims are compiled per "
+                  "shape. Pass eager tensors whose size varies through pydisc.to_lazy() or the lazy "
+                  "model" % "; ".join(parts))
+        warn_once("pinned:" + reason[:120], "pydisc: " + reason)
+        METRICS.recompiles.append(reason)
+    template = dynamic.make_template(trace, program, None, executed)
+    template.fakes, template.sources = fakes, sources
+    dynamic.DYNAMIC.templates.append(template)
+    dynamic.DYNAMIC.covered.update(patterns)
+    METRICS.dynamic_templates += 1
+    log("recompiles", "planned a dynamic-shape step: symbols %s, %d guards",
+        ", ".join("%s = input %s%d dim %d" % (sym, kind, i, d) for sym, kind, i, d in program.sym_sources),
+        len(template.guards))
+    call_inputs = [s.view(tuple(trace.metas[next(v for v, i, l in program.inputs if i == k and l is None)][0]))
+                   if k in program.viewed else s for k, s in enumerate(trace.storage_inputs)]
+    call_inputs += list(trace.real_inputs) + ([scalars] if scalars is not None else [])
+    # The template is compiled when a later step matches it: the first steps of a training loop
+    # often differ (an optimizer creates its state), and a template used once is not worth a compile.
+    return StepPlan(program), call_inputs, None
+
+
+def _build_template(binding, device: torch.device) -> bool:
+    """Compile a template at its first match; False if the matched sizes break a guard that tracing
+    the graph added (the template then serves only steps that satisfy it)."""
+    template = binding.template
+    METRICS.graph_cache_misses += 1
+    template.plan = build_plan(template.program, template.fakes, device, template.sources)
+    template.guards = template.session.guards()
+    template.fakes = None
+    return dynamic.guards_hold(template, binding.sizes)
+
+
+def _fake_inputs(trace: Trace, program: Program, scalars) -> list:
+    session = trace.symbolic
+    fakes = []
+    for k, s in enumerate(trace.storage_inputs):
+        if k in program.viewed:
+            vid = next(v for v, i, layout in program.inputs if i == k and layout is None)
+            size, stride, _, dtype = trace.sym_metas[vid]
+            fakes.append(session.fake_symbolic(size, stride, dtype, s.device))
+        else:
+            fakes.append(session.fake_static(tuple(s.shape), s.stride(), 0, s.dtype, s.device,
+                                             s.untyped_storage().nbytes()))
+    for t in trace.real_inputs:
+        fake = session.real_fakes.get(id(t))
+        if fake is None:
+            fake = session.fake_static(tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device,
+                                       t.untyped_storage().nbytes())
+        fakes.append(fake)
+    if scalars is not None:
+        fakes.append(session.fake_static(tuple(scalars.shape), scalars.stride(), 0, scalars.dtype,
+                                         scalars.device, scalars.untyped_storage().nbytes()))
+    return fakes
 
 
 def _as_layout(val: torch.Tensor, size, stride) -> torch.Tensor:
@@ -220,7 +383,7 @@ def _bind(trace: Trace, outputs: tuple, results: list[torch.Tensor], executed: l
             continue
         if vid in executed_vids or t._real is None:
             if t._storage.real is not None:
-                t._real = _view_of_base(t._storage.real, tuple(t.shape), t.stride(), t.storage_offset())
+                t._real = _view_of_base(t._storage.real, *_layout(t))
     if not remaining:
         RECORDER.new_trace()
         return

@@ -25,6 +25,7 @@ import torch
 from .. import metrics as _metrics
 from ..config import CONFIG
 from .source import user_source
+from .symbolic import SymArg, SymbolicStep, hint, is_symbolic
 from .trace import Entry, LazyStorage, Trace, ValueRef
 
 __all__ = ["StrictModeError", "LazyTensor", "is_lazy", "to_lazy", "materialize", "current_trace", "set_executor", "Recorder",
@@ -94,7 +95,16 @@ class LazyTensor(torch.Tensor):
         t._real = real
         t._vid = -1
         t._epoch = -1
-        t._mk = (tuple(size), tuple(stride), offset, dtype, storage.nbytes)   # meta-cache key part
+        t._fake = None      # fake tensor of a symbolic step (`frontend/symbolic.py`)
+        t._fake_sid = 0     # ... and which step it belongs to
+        if any(type(x) is not int for x in size) or any(type(x) is not int for x in stride) \
+                or type(offset) is not int or type(storage.nbytes) is not int:
+            # sizes of a symbolic step: keep this step's concrete layout for everything concrete
+            t._concrete = (tuple(map(hint, size)), tuple(map(hint, stride)), hint(offset))
+            t._mk = t._concrete + (dtype, hint(storage.nbytes))
+        else:
+            t._concrete = None
+            t._mk = (tuple(size), tuple(stride), offset, dtype, storage.nbytes)   # meta-cache key part
         return t
 
     @classmethod
@@ -167,13 +177,28 @@ def is_lazy(t: Any) -> bool:
     return isinstance(t, LazyTensor)
 
 
-def to_lazy(real: torch.Tensor) -> LazyTensor:
-    """Wrap device data as a (materialized) lazy tensor, without a copy."""
+def to_lazy(real: torch.Tensor, *, step_input: bool = False) -> LazyTensor:
+    """Wrap device data as a (materialized) lazy tensor, without a copy.
+
+    `step_input`: `real` is an input of the step (a module input, `pydisc.to_lazy`): its dims may be
+    dynamic (`pydisc.mark_dynamic`, or seen to change between steps), in which case the step is
+    recorded with symbolic sizes."""
     if isinstance(real, LazyTensor):
         return real
     storage = LazyStorage(real.untyped_storage().nbytes(), _flat_base(real))
+    if step_input:
+        with RECORDER.lock:
+            t = RECORDER.symbolic_input(real, storage)
+        if t is not None:
+            return t
     return LazyTensor(tuple(real.shape), real.stride(), real.storage_offset(), real.dtype, real.device,
                       storage, real=real.detach())
+
+
+def _layout(t: LazyTensor) -> tuple:
+    """(size, stride, offset) of `t` in this step's concrete numbers."""
+    c = t._concrete
+    return c if c is not None else (tuple(t.shape), t.stride(), t.storage_offset())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -188,6 +213,8 @@ class OpInfo:
         self.rewrite = RECORDER.rewrites.get(func)
         if self.rewrite is None and RECORDER.foreach_rewrite is not None and func.__name__.startswith("_foreach_"):
             self.rewrite = RECORDER.foreach_rewrite
+        if self.rewrite is None:   # whole namespaces: torch.distributed's (frontend/collectives.py)
+            self.rewrite = RECORDER.namespace_rewrites.get(func.namespace)
         schema = func._schema
         sets: dict[str, tuple[int, str]] = {}
         written = []
@@ -252,17 +279,85 @@ class Recorder:
         self.executor: Callable[[LazyTensor | None, str], None] | None = None
         self.rewrites: dict[Any, Callable] = {}
         self.foreach_rewrite: Callable | None = None
+        self.namespace_rewrites: dict[str, Callable] = {}   # op namespace -> rewrite of all its ops
         # Source lines cost ~1-2 µs per op: captured until a step reuses a plan, again after a new plan.
         self.capture_sources = True
         self.gc_paused = False
+        # Dynamic shapes: `dims_of(ordinal, real)` says which dims of the ordinal-th step input are
+        # dynamic (installed by pydisc/dynamic.py); a step with any is recorded symbolically.
+        self.dims_of: Callable[[int, torch.Tensor], tuple] | None = None
+        self.inputs_seen = 0
+        self.input_shapes: list[tuple] = []    # shape of each step input, by ordinal
+        self.symbolic: SymbolicStep | None = None
 
     def new_trace(self) -> Trace:
         if self.gc_paused:
             self.gc_paused = False
             gc.enable()
+        if self.symbolic is not None:
+            self.symbolic.exit()
+            self.symbolic = None
+        self.inputs_seen = 0
+        self.input_shapes = []
         self.epoch += 1
         self.trace = Trace(epoch=self.epoch)
         return self.trace
+
+    # ---- symbolic steps --------------------------------------------------------------------------
+    def symbolic_input(self, real: torch.Tensor, storage: LazyStorage) -> LazyTensor | None:
+        ordinal = self.inputs_seen
+        self.inputs_seen += 1
+        storage.ordinal = ordinal
+        self.input_shapes.append(tuple(real.shape))
+        if self.dims_of is None:
+            return None
+        dims = self.dims_of(ordinal, real)
+        if not dims or real.storage_offset() != 0 or not real.is_contiguous() or \
+                real.untyped_storage().nbytes() != real.numel() * real.element_size():
+            return None
+        if self.symbolic is None:
+            self.symbolic = SymbolicStep(self.record_factory)
+            self.symbolic.enter()
+            self.trace.symbolic = self.symbolic
+        session = self.symbolic
+        size, stride, made = session.symbolic_layout(real, dims, ("conv", ordinal))
+        if not made:
+            return None
+        session.conversions[ordinal] = (storage, made, real.dim())
+        storage.nbytes = _numel(size) * real.element_size()
+        t = LazyTensor(size, stride, 0, real.dtype, real.device, storage, real=real.detach())
+        t._fake = session.fake_symbolic(size, stride, real.dtype, real.device)
+        t._fake_sid = session.id
+        return t
+
+    def fake_of(self, a):
+        """The fake tensor standing for argument `a` in this symbolic step."""
+        session = self.symbolic
+        if isinstance(a, LazyTensor):
+            if a._fake is None or a._fake_sid != session.id:
+                size, stride, offset = _layout(a)
+                a._fake = session.fake_static(size, stride, offset, a.dtype, a.device, hint(a._storage.nbytes))
+                a._fake_sid = session.id
+            return a._fake
+        if isinstance(a, LiftedScalar):
+            with session.faking():
+                return torch.empty((), dtype=torch.float32)
+        if isinstance(a, torch.Tensor):
+            fake = session.real_fakes.get(id(a))
+            if fake is None:
+                # eager tensors keep static sizes: C++ compares them with lazy sizes before any
+                # dispatch, which would pin a symbolic size anyway (pass them through to_lazy)
+                fake = session.fake_static(tuple(a.shape), a.stride(), a.storage_offset(), a.dtype,
+                                           a.device, a.untyped_storage().nbytes())
+                session.real_fakes[id(a)] = fake
+            return fake
+        if isinstance(a, (list, tuple)):
+            return type(a)(self.fake_of(x) for x in a)
+        return a
+
+    def record_factory(self, func, args, kwargs):
+        with self.lock:
+            return self.record(func, args, kwargs, _opinfo(func))
 
     # ---- value references ------------------------------------------------------------------------
     def ref(self, t: LazyTensor) -> ValueRef:
@@ -284,8 +379,13 @@ class Recorder:
             trace.storage_inputs.append(storage.real)
             trace.input_storages.append(storage)
             trace.storage_versions.append(storage.real._version)
-        layout = (tuple(t.shape), t.stride(), t.storage_offset())
-        vid = trace.new_value(("in", storage.input_index, layout), storage, layout + (t.dtype,))
+        concrete = _layout(t)
+        if t._concrete is not None and self.symbolic is not None:
+            layout = (tuple(t.shape), t.stride(), t.storage_offset())
+            vid = trace.new_value(("in", storage.input_index, layout), storage, concrete + (t.dtype,))
+            trace.sym_metas[vid] = layout + (t.dtype,)
+        else:
+            vid = trace.new_value(("in", storage.input_index, concrete), storage, concrete + (t.dtype,))
         t._vid = vid
         t._epoch = trace.epoch
         trace.tensors[vid] = weakref.ref(t)
@@ -307,6 +407,8 @@ class Recorder:
                 # the cyclic GC scan them (and the whole heap) as they pile up costs more than recording.
                 gc.disable()
                 self.gc_paused = True
+            if self.symbolic is not None and len(self.symbolic.shape_env.guards) != self.symbolic.guards_seen:
+                self.symbolic.note_guards(user_source(3))
             info = _opinfo(func)
             if info.rewrite is not None:
                 result = info.rewrite(func, args, kwargs)
@@ -316,7 +418,8 @@ class Recorder:
                 return self.run_eager(func, args, kwargs, info, fallback=func not in _READ_OPS)
             if self.writes_eager_tensor(args, kwargs, info):
                 return self.run_eager(func, args, kwargs, info, fallback=False)
-            if info.is_view and not info.written_args and self.all_clean(args):
+            if info.is_view and not info.written_args and self.all_clean(args) and \
+                    (self.symbolic is None or not _symbolic_args(args, kwargs)):
                 return self.run_eager(func, args, kwargs, info, fallback=False, count=False)
             return self.record(func, args, kwargs, info)
 
@@ -399,12 +502,19 @@ class Recorder:
         if t is float:
             sig.append(("f", a))   # a constant: floats that vary per step are lifted by a rewrite
             return a
-        if t is list or t is tuple:
+        if t is list or t is tuple or t is torch.Size:
             sig.append(("list", len(a)))
             return [self.encode(x, sig, reads) for x in a]
         if t is LiftedScalar:
             sig.append("scalar")
             return self.trace.add_scalar(a.value)
+        if t is torch.SymInt or t is torch.SymFloat or t is torch.SymBool:
+            if self.symbolic is None:      # a size kept from an earlier symbolic step
+                a = hint(a)
+                sig.append(a)
+                return a
+            sig.append("sym")
+            return SymArg(a)
         if isinstance(a, torch.Tensor):
             r = self.trace.add_real_input(a)
             sig.append(("r", r.index))
@@ -422,8 +532,9 @@ class Recorder:
         def to_meta(a):
             if isinstance(a, torch.Tensor):
                 if isinstance(a, LazyTensor):
-                    base = torch.empty((a._storage.nbytes // a.element_size(),), dtype=a.dtype, device="meta")
-                    return base.as_strided(tuple(a.shape), a.stride(), a.storage_offset())
+                    base = torch.empty((hint(a._storage.nbytes) // a.element_size(),), dtype=a.dtype,
+                                       device="meta")
+                    return base.as_strided(*_layout(a))
                 return torch.empty_strided(tuple(a.shape), a.stride(), dtype=a.dtype, device="meta")
             if isinstance(a, LiftedScalar):   # a 0-d float32 tensor at run time
                 return torch.empty((), dtype=torch.float32, device="meta")
@@ -449,7 +560,36 @@ class Recorder:
         kind = type(out) if isinstance(out, (tuple, list)) else None
         return kind, descs
 
+    def compute_fake(self, func, args, kwargs):
+        """Output metadata of a symbolic step's op, from fake tensors on the step's ShapeEnv."""
+        session = self.symbolic
+        fargs = tuple(self.fake_of(a) for a in args)
+        fkwargs = {k: self.fake_of(v) for k, v in kwargs.items()}
+        with session.faking():
+            out = func(*fargs, **fkwargs)
+        leaves = out if isinstance(out, (tuple, list)) else (out,)
+        descs, fakes = [], []
+        for o in leaves:
+            if o is None:
+                descs.append(None)
+                fakes.append(None)
+                continue
+            if not isinstance(o, torch.Tensor):
+                raise NotImplementedError("non-tensor output")
+            descs.append((tuple(o.shape), tuple(o.stride()), o.storage_offset(), o.dtype,
+                          o.untyped_storage().nbytes()))
+            fakes.append(o)
+        kind = type(out) if isinstance(out, (tuple, list)) else None
+        return (kind, descs), fakes
+
     def record(self, func, args, kwargs, info: OpInfo):
+        fakes = None
+        if self.symbolic is not None and _symbolic_args(args, kwargs):
+            try:
+                meta, fakes = self.compute_fake(func, args, kwargs)
+            except Exception:
+                return self.run_eager(func, args, kwargs, info, fallback=True)
+            return self._record(func, args, kwargs, info, meta, fakes)
         key = self.meta_key(func, args, kwargs)
         meta = self.meta_cache.get(key)
         if meta is None:
@@ -459,6 +599,9 @@ class Recorder:
                 # no meta kernel, or an output whose shape depends on data: run it eagerly
                 return self.run_eager(func, args, kwargs, info, fallback=True)
             self.meta_cache[key] = meta
+        return self._record(func, args, kwargs, info, meta, None)
+
+    def _record(self, func, args, kwargs, info: OpInfo, meta, fakes):
         kind, descs = meta
         if info.is_view:
             for j, d in enumerate(descs):
@@ -507,7 +650,14 @@ class Recorder:
                 storage = LazyStorage(nbytes)
                 storage.epoch = trace.epoch
             t = LazyTensor(size, stride, offset, dtype, device, storage)
-            vid = trace.new_value(("out", entry_index), storage, d[:4])
+            if fakes is not None:
+                t._fake = fakes[j]
+                t._fake_sid = self.symbolic.id
+                vid = trace.new_value(("out", entry_index), storage, t._concrete + (dtype,)
+                                      if t._concrete is not None else d[:4])
+                trace.sym_metas[vid] = d[:4]
+            else:
+                vid = trace.new_value(("out", entry_index), storage, d[:4])
             if plan is None:
                 storage.creator = vid
             t._vid = vid
@@ -557,7 +707,28 @@ def _device_of(args, kwargs) -> torch.device:
     for a in args:      # rewrites record ops on eager operands of a lazy computation
         if isinstance(a, torch.Tensor):
             return a.device
+    if "device" in kwargs:   # a factory op of a symbolic step
+        return torch.device(kwargs["device"]) if kwargs["device"] is not None else torch.device("cpu")
+    if RECORDER.symbolic is not None:
+        return torch.device("cpu")
     raise RuntimeError("pydisc: an op reached the lazy dispatcher without a lazy tensor argument")
+
+
+def _symbolic_args(args, kwargs) -> bool:
+    """Does an op of a symbolic step involve a symbolic size (a tensor or an int argument)?"""
+    for a in args:
+        t = type(a)
+        if t is LazyTensor:
+            if a._concrete is not None:
+                return True
+        elif t is list or t is tuple or t is torch.Size:
+            if _symbolic_args(a, {}):
+                return True
+        elif t is torch.SymInt or t is torch.SymFloat or t is torch.SymBool:
+            return True
+    if kwargs:
+        return _symbolic_args(tuple(kwargs.values()), {})
+    return False
 
 
 _READ_OPS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default,

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
+from .symbolic import SymArg, SymExpr
 from .trace import RealRef, ScalarRef, Trace, ValueRef
 
 __all__ = ["Program", "program_from_trace", "functional_graph"]
@@ -29,14 +30,19 @@ class Program:
     n_reals: int
     n_scalars: int
     outputs: tuple[tuple[str, int], ...]          # ("base", storage input index) | ("value", value id)
+    # Dynamic programs: storage inputs passed already viewed in their (symbolic) shape, with layout
+    # None in `inputs`, and where each size symbol is read: (symbol, "s"|"r", input index, dim).
+    viewed: frozenset = frozenset()
+    sym_sources: tuple = ()
 
     def __call__(self, *inputs: torch.Tensor, on_entry: Callable[[int], None] | None = None) -> list[torch.Tensor]:
         bases = inputs[: self.n_storages]
         reals = inputs[self.n_storages: self.n_storages + self.n_reals]
         scalars = inputs[-1] if self.n_scalars else None
         env: dict[int, torch.Tensor] = {}
-        for vid, index, (size, stride, offset) in self.inputs:
-            env[vid] = _view(bases[index], size, stride, offset)
+        for vid, index, layout in self.inputs:
+            env[vid] = bases[index] if layout is None else _view(bases[index], *layout)
+        syms = {sym: (bases if kind == "s" else reals)[i].size(d) for sym, kind, i, d in self.sym_sources}
 
         def decode(a):
             if type(a) is ValueRef:
@@ -47,6 +53,8 @@ class Program:
                 return scalars[a.index]
             if type(a) is list:
                 return [decode(x) for x in a]
+            if type(a) is SymExpr:
+                return a.value(syms)
             return a
 
         for index, (fn, args, kwargs, out_vids, out_kind) in enumerate(self.entries):
@@ -91,6 +99,124 @@ def program_from_trace(trace: Trace, entry_indices: list[int], outputs: tuple) -
                    if kind[0] == "in" and vid in used)
     return Program(inputs, tuple(entries), len(trace.storage_inputs), len(trace.real_inputs),
                    len(trace.scalars), outputs)
+
+
+def concrete_program(trace: Trace, entry_indices: list[int], outputs: tuple) -> Program:
+    """A symbolically recorded step as a program for this step's sizes only."""
+    from .symbolic import hint
+
+    def convert(a):
+        if type(a) is SymArg:
+            return hint(a.sym)
+        if type(a) is list:
+            return [convert(x) for x in a]
+        if type(a) is tuple:
+            return tuple(convert(x) for x in a)
+        return a
+
+    static = program_from_trace(trace, entry_indices, outputs)
+    entries = tuple((fn, tuple(convert(a) for a in args), {k: convert(v) for k, v in kwargs.items()},
+                     out_vids, kind) for fn, args, kwargs, out_vids, kind in static.entries)
+    inputs = tuple((vid, index, tuple(trace.metas[vid][:3])) for vid, index, _ in static.inputs)
+    return Program(inputs, entries, static.n_storages, static.n_reals, static.n_scalars, outputs)
+
+
+class NotDynamic(Exception):
+    """A symbolic step that cannot become a dynamic program (it is planned per shape instead)."""
+
+
+def symbolic_program(trace: Trace, entry_indices: list[int], outputs: tuple) -> Program:
+    """The program of a symbolically recorded step: size arguments become `SymExpr`s and inputs
+    with symbolic sizes are passed viewed in their shape, so that every size symbol can be read off
+    an input at each call."""
+    static = program_from_trace(trace, entry_indices, outputs)
+
+    def expr_of(x):
+        return x.node.expr if isinstance(x, (torch.SymInt, torch.SymFloat)) else x
+
+    def convert(a):
+        if type(a) is SymArg:
+            e = a.expr
+            if e.is_number:
+                return float(e) if isinstance(a.sym, torch.SymFloat) else int(e)
+            return SymExpr(e, isinstance(a.sym, torch.SymFloat))
+        if type(a) is list:
+            return [convert(x) for x in a]
+        if type(a) is tuple:
+            return tuple(convert(x) for x in a)
+        return a
+
+    entries = tuple((fn, tuple(convert(a) for a in args), {k: convert(v) for k, v in kwargs.items()},
+                     out_vids, kind) for fn, args, kwargs, out_vids, kind in static.entries)
+    inputs = []
+    viewed: dict[int, tuple] = {}     # storage index -> symbolic size
+    for vid, index, layout in static.inputs:
+        sym = trace.sym_metas.get(vid)
+        if sym is None:
+            if index in viewed:
+                raise NotDynamic("an input storage is read both with symbolic and static layouts")
+            inputs.append((vid, index, layout))
+            continue
+        size, stride, offset, _ = sym
+        size = tuple(expr_of(s) for s in size)
+        if expr_of(offset) != 0 or tuple(expr_of(s) for s in stride) != _contiguous(size) or \
+                (index in viewed and viewed[index] != size):
+            raise NotDynamic("an input with symbolic sizes is not a whole contiguous tensor")
+        viewed[index] = size
+        inputs.append((vid, index, None))
+    if any(layout is not None and i in viewed for _, i, layout in inputs):
+        raise NotDynamic("an input storage is read both with symbolic and static layouts")
+    sources: dict = {}
+    for index, size in viewed.items():
+        for d, e in enumerate(size):
+            if getattr(e, "is_Symbol", False):
+                sources.setdefault(e, ("s", index, d))
+    session = trace.symbolic
+    for index, t in enumerate(trace.real_inputs):
+        fake = session.real_fakes.get(id(t)) if session is not None else None
+        if fake is not None:
+            for d, s in enumerate(fake.shape):
+                e = expr_of(s)
+                if getattr(e, "is_Symbol", False):
+                    sources.setdefault(e, ("r", index, d))
+    if session is not None:
+        # every symbol created for an input, also those that guards made equal to another one
+        for sym, (kind, index, d) in session.sources.items():
+            if kind == "conv":
+                storage = session.conversions[index][0]
+                if storage.epoch == trace.epoch and storage.input_index >= 0:
+                    sources.setdefault(sym, ("s", storage.input_index, d))
+            elif index < len(trace.real_inputs):
+                sources.setdefault(sym, ("r", index, d))
+    needed = set()
+    for size in viewed.values():
+        for e in size:
+            needed |= getattr(e, "free_symbols", set())
+
+    def collect(a):
+        if type(a) is SymExpr:
+            needed.update(a.expr.free_symbols)
+        elif type(a) in (list, tuple):
+            for x in a:
+                collect(x)
+
+    for _, args, kwargs, _, _ in entries:
+        collect(args)
+        collect(tuple(kwargs.values()))
+    missing = needed - set(sources)
+    if missing:
+        raise NotDynamic("size symbols %s cannot be read off the step's inputs" % sorted(map(str, missing)))
+    return Program(tuple(inputs), entries, static.n_storages, static.n_reals, static.n_scalars, outputs,
+                   frozenset(viewed), tuple((sym, *src) for sym, src in sources.items()))
+
+
+def _contiguous(size) -> tuple:
+    strides = []
+    acc = 1
+    for s in reversed(size):
+        strides.append(acc)
+        acc = acc * s
+    return tuple(reversed(strides))
 
 
 def functional_graph(program: Program, example_inputs: list[torch.Tensor],

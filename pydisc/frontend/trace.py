@@ -31,7 +31,7 @@ class LazyStorage:
     `written` says that the pending trace writes into it.
     """
 
-    __slots__ = ("real", "nbytes", "creator", "written", "epoch", "input_index", "__weakref__")
+    __slots__ = ("real", "nbytes", "creator", "written", "epoch", "input_index", "ordinal", "__weakref__")
 
     def __init__(self, nbytes: int, real: torch.Tensor | None = None) -> None:
         self.real = real
@@ -40,6 +40,7 @@ class LazyStorage:
         self.written = False
         self.epoch = -1             # trace epoch in which creator/written/input_index are valid
         self.input_index = -1       # index into Trace.storage_inputs for this epoch
+        self.ordinal = -1           # a step input: made lazy as the ordinal-th input of its step
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +90,10 @@ class Trace:
     metas: dict[int, tuple] = field(default_factory=dict)          # value id -> (size, stride, offset, dtype)
     tensors: dict[int, weakref.ref] = field(default_factory=dict)  # value id -> lazy tensor
     storages: dict[int, LazyStorage] = field(default_factory=dict)  # value id -> its storage
+    # symbolic steps only: value id -> (size, stride, offset, dtype) with SymInts (`metas` keeps
+    # this step's concrete numbers)
+    sym_metas: dict[int, tuple] = field(default_factory=dict)
+    symbolic: Any = None            # the SymbolicStep of a symbolic step
 
     def __len__(self) -> int:
         return len(self.entries)

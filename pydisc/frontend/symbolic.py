@@ -1,0 +1,272 @@
+"""Recording a step with symbolic sizes: the template that one dynamic-shape plan is built from.
+
+A step whose inputs have dynamic dims is recorded once with torch's symbolic shapes: those dims are
+`SymInt`s of a `ShapeEnv` (one fresh env per template), output metadata comes from `FakeTensorMode` on
+the same env, the Python dispatcher keeps C++ kernels such as `matmul` from specialising sizes, and a
+dispatch mode catches factory ops (`torch.arange(T)`) whose sizes derive from a dynamic dim. Arguments
+recorded as `SymInt` keep their expression (`view(x, [2*s0, 64])`), so the plan knows which ints
+depend on which input size. This costs milliseconds per op, so it happens once per template; later
+steps are recorded concretely and matched against the template (`pydisc/dynamic.py`).
+
+Symbols are named by their source: the `ordinal`-th tensor made lazy in the step (a module input or a
+`pydisc.to_lazy` call) or the `index`-th eager tensor the step reads, and a dim.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import sympy
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["SymbolicStep", "SymArg", "SymExpr", "is_symbolic", "hint", "evaluate", "python_evaluator"]
+
+
+class SymArg:
+    """A SymInt/SymFloat argument of a recorded op (its expression is read at planning time, after
+    every guard of the step has refined the ShapeEnv's replacements)."""
+
+    __slots__ = ("sym",)
+
+    def __init__(self, sym) -> None:
+        self.sym = sym
+
+    @property
+    def expr(self) -> sympy.Expr:
+        return self.sym.node.expr
+
+
+class SymExpr:
+    """A size expression in a planned program, evaluated with the symbol values of each call."""
+
+    __slots__ = ("expr", "is_float", "_fn")
+
+    def __init__(self, expr: sympy.Expr, is_float: bool = False) -> None:
+        self.expr = expr
+        self.is_float = is_float
+        self._fn = None
+
+    def __repr__(self) -> str:
+        return "SymExpr(%s)" % self.expr
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, SymExpr) and self.expr == other.expr
+
+    def __hash__(self) -> int:
+        return hash(self.expr)
+
+    def value(self, env: dict) -> Any:
+        """With int values in `env`: a number (fast path, a compiled lambda). With traced SymInts
+        (inside make_fx): an expression of them, so the graph computes the size from its inputs."""
+        if all(type(v) is int for v in env.values()):
+            if self._fn is None:
+                self._fn = python_evaluator(self.expr)
+            v = self._fn(env)
+            return float(v) if self.is_float else int(v)
+        return evaluate(self.expr, env)
+
+
+def is_symbolic(x) -> bool:
+    return isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+def hint(x):
+    """The concrete value of a size in the step being recorded (no guard is added)."""
+    if isinstance(x, torch.SymInt):
+        return int(x.node.hint)
+    if isinstance(x, torch.SymFloat):
+        return float(x.node.hint)
+    if isinstance(x, torch.SymBool):
+        return bool(x.node.hint)
+    return x
+
+
+def evaluate(expr: sympy.Expr, env: dict):
+    """`expr` over symbols with the values in `env` (ints, or SymInts being traced)."""
+    from torch.utils._sympy.interp import sympy_interp
+    from torch.utils._sympy.reference import PythonReferenceAnalysis
+
+    return sympy_interp(PythonReferenceAnalysis, env, expr)
+
+
+def python_evaluator(expr: sympy.Expr):
+    """A Python function env -> value of `expr`, compiled once (microseconds per call)."""
+    code = _py(expr)
+    names = sorted(str(s) for s in expr.free_symbols)
+    src = "lambda env: (lambda %s: %s)(%s)" % (
+        ", ".join(names) or "_", code, ", ".join("env[S[%r]]" % n for n in names) or "0")
+    symbols = {str(s): s for s in expr.free_symbols}
+    return eval(src, {"S": symbols, "_fdiv": lambda a, b: a // b, "_max": max, "_min": min})
+
+
+def _py(e) -> str:
+    from torch.utils._sympy.functions import CeilDiv, FloorDiv, Max, Min, Mod, PythonMod, TruncToInt
+
+    if isinstance(e, sympy.Symbol):
+        return str(e)
+    if isinstance(e, sympy.Integer):
+        return str(int(e))
+    if isinstance(e, (sympy.Rational, sympy.Float)) or e.is_number:
+        return repr(float(e))
+    if isinstance(e, sympy.Add):
+        return "(" + " + ".join(_py(a) for a in e.args) + ")"
+    if isinstance(e, sympy.Mul):
+        return "(" + " * ".join(_py(a) for a in e.args) + ")"
+    if isinstance(e, sympy.Pow):
+        return "(%s ** %s)" % (_py(e.args[0]), _py(e.args[1]))
+    if isinstance(e, FloorDiv):
+        return "(%s // %s)" % (_py(e.args[0]), _py(e.args[1]))
+    if isinstance(e, CeilDiv):
+        return "(-((-%s) // %s))" % (_py(e.args[0]), _py(e.args[1]))
+    if isinstance(e, (Mod, PythonMod)):
+        return "(%s %% %s)" % (_py(e.args[0]), _py(e.args[1]))
+    if isinstance(e, Max):
+        return "_max(%s)" % ", ".join(_py(a) for a in e.args)
+    if isinstance(e, Min):
+        return "_min(%s)" % ", ".join(_py(a) for a in e.args)
+    if isinstance(e, TruncToInt):
+        return "int(%s)" % _py(e.args[0])
+    raise NotImplementedError("size expression %s (%s)" % (e, type(e).__name__))
+
+
+class _FactoryMode(TorchDispatchMode):
+    """Ops without a lazy argument but with a symbolic size (`torch.arange(T)`, `torch.ones(T, T)`)
+    are recorded as lazy values; every other op passes through."""
+
+    def __init__(self, record) -> None:
+        super().__init__()
+        self._record = record
+        self.faking = 0      # > 0 while pydisc itself computes fake metadata: pass everything through
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        from .lazy_tensor import LazyTensor
+
+        if not self.faking and not any(issubclass(t, LazyTensor) for t in types) and \
+                _has_symbols((args, kwargs)):
+            return self._record(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+def _has_symbols(x) -> bool:
+    if is_symbolic(x):
+        return True
+    if isinstance(x, (list, tuple)):
+        return any(_has_symbols(a) for a in x)
+    if isinstance(x, dict):
+        return any(_has_symbols(a) for a in x.values())
+    return False
+
+
+class SymbolicStep:
+    """The ShapeEnv, fake mode and symbol sources of one step recorded symbolically."""
+
+    _count = 0
+
+    def __init__(self, record_factory) -> None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        SymbolicStep._count += 1
+        self.id = SymbolicStep._count
+        # no duck sizing: two dims that happen to be equal in this step are not the same symbol
+        self.shape_env = ShapeEnv(duck_shape=False)
+        self.fake_mode = FakeTensorMode(shape_env=self.shape_env, allow_non_fake_inputs=True)
+        self.sources: dict[sympy.Symbol, tuple] = {}     # symbol -> ("conv", ordinal, dim) | ("real", index, dim)
+        self.conversions: dict[int, tuple] = {}          # ordinal -> dims made symbolic
+        self.real_dims: dict[int, tuple] = {}            # eager input index -> dims made symbolic
+        self.real_fakes: dict[int, torch.Tensor] = {}     # id(eager tensor) -> its fake
+        self._mode = _FactoryMode(record_factory)
+        self._contexts: list = []
+        self.guards_seen = 0
+        self.guard_sources: list = []      # (guard expr, user source line where it appeared)
+
+    # ---- lifetime: active from the first symbolic input to the end of the step ----------------------
+    def enter(self) -> None:
+        from torch._dispatch.python import enable_python_dispatcher
+
+        ctx = enable_python_dispatcher()
+        ctx.__enter__()
+        self._contexts.append(ctx)
+        self._mode.__enter__()
+        self._contexts.append(self._mode)
+
+    def exit(self) -> None:
+        while self._contexts:
+            self._contexts.pop().__exit__(None, None, None)
+
+    # ---- symbols -----------------------------------------------------------------------------------
+    def symbolic_layout(self, real: torch.Tensor, dims, source: tuple) -> tuple:
+        """Sizes and strides of `real` with `dims` symbolic (contiguous tensors only)."""
+        from torch._dynamo.source import ConstantSource
+        from torch.fx.experimental.symbolic_shapes import DimDynamic
+
+        sizes: list = list(real.shape)
+        made = []
+        for d in dims:
+            if d < real.dim() and real.shape[d] >= 2:     # 0 and 1 are specialised, as torch does
+                name = "pydisc_%s%d_dim%d" % (source[0], source[1], d)
+                src = ConstantSource(name)
+                sym = self.shape_env.create_symbol(int(real.shape[d]), source=src,
+                                                   dynamic_dim=DimDynamic.DYNAMIC)
+                self.sources[sym] = (source[0], source[1], d)
+                sizes[d] = self.shape_env.create_symintnode(sym, hint=int(real.shape[d]), source=src)
+                made.append(d)
+        strides: list = []
+        acc: Any = 1
+        for s in reversed(sizes):
+            strides.append(acc)
+            acc = acc * s
+        return tuple(sizes), tuple(reversed(strides)), tuple(made)
+
+    def faking(self):
+        """Context for computing fake metadata (the factory mode lets these ops through)."""
+        return _Faking(self)
+
+    def fake_static(self, size, stride, offset, dtype, device, nbytes) -> torch.Tensor:
+        with self.faking():
+            base = torch.empty((nbytes // _itemsize(dtype),), dtype=dtype, device=device)
+            return base.as_strided(size, stride, offset)
+
+    def fake_symbolic(self, size, stride, dtype, device) -> torch.Tensor:
+        with self.faking():
+            return torch.empty_strided(size, stride, dtype=dtype, device=device)
+
+    def guards(self) -> list:
+        return [g.expr for g in self.shape_env.guards]
+
+    def note_guards(self, source: str | None) -> None:
+        """Remember where in user code the newest guards appeared (a specialised size is reported there)."""
+        guards = self.shape_env.guards
+        for g in guards[self.guards_seen:]:
+            self.guard_sources.append((g.expr, source))
+        self.guards_seen = len(guards)
+
+    def specialised(self) -> list:
+        """[(symbol, value, source line)] for dynamic dims that guards pinned to one size."""
+        out = []
+        for sym in self.sources:
+            value = self.shape_env.replace(sym)
+            if getattr(value, "is_number", False):
+                where = next((src for g, src in self.guard_sources if sym in g.free_symbols), None)
+                out.append((sym, int(value), where))
+        return out
+
+
+class _Faking:
+    def __init__(self, step: SymbolicStep) -> None:
+        self.step = step
+
+    def __enter__(self):
+        self.step._mode.faking += 1
+        self.step.fake_mode.__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            self.step.fake_mode.__exit__(*exc)
+        finally:
+            self.step._mode.faking -= 1
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()

@@ -1,0 +1,179 @@
+"""Dynamic shapes: a step whose input sizes change is compiled once and reused for every size.
+
+Every test trains or runs a model with pydisc and eagerly side by side and compares values; the
+counters say how often pydisc planned (templates), matched a template (no compile) or ran eagerly.
+"""
+import copy
+import math
+
+import pytest
+import torch
+
+import pydisc
+from pydisc import dynamic
+from pydisc.config import CONFIG
+from pydisc.step import clear_plans
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch):
+    clear_plans()
+    pydisc.reset_metrics()
+    yield monkeypatch
+    clear_plans()
+
+
+class TinyLM(torch.nn.Module):
+    """Embedding + learned positions + one causal attention head + MLP + tied output."""
+
+    def __init__(self, vocab=11, dim=16, max_len=64):
+        super().__init__()
+        self.tok = torch.nn.Embedding(vocab, dim)
+        self.pos = torch.nn.Embedding(max_len, dim)
+        self.ln = torch.nn.LayerNorm(dim)
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 2 * dim), torch.nn.GELU(), torch.nn.Linear(2 * dim, dim))
+        self.heads = 2
+
+    def forward(self, idx, targets):
+        B, T = idx.shape
+        x = self.tok(idx) + self.pos(torch.arange(T, device=idx.device))
+        h = self.ln(x)
+        q, k, v = self.qkv(h).split(x.size(-1), dim=-1)
+        hd = x.size(-1) // self.heads
+        q = q.view(B, T, self.heads, hd).transpose(1, 2)
+        k = k.view(B, T, self.heads, hd).transpose(1, 2)
+        v = v.view(B, T, self.heads, hd).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
+        mask = torch.ones(T, T, device=idx.device, dtype=torch.bool).tril()
+        att = att.masked_fill(~mask, float("-inf")).softmax(-1)
+        y = (att @ v).transpose(1, 2).reshape(B, T, -1)
+        x = x + y
+        x = x + self.mlp(self.ln(x))
+        logits = x @ self.tok.weight.t()
+        return torch.nn.functional.cross_entropy(logits.view(B * T, -1), targets.view(B * T))
+
+
+def _train(sizes, *, mark=False, steps_check=None):
+    torch.manual_seed(0)
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    pydisc.lazy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    losses, ref_losses, compiles = [], [], []
+    g = torch.Generator().manual_seed(1)
+    for B, T in sizes:
+        idx = torch.randint(0, 11, (B, T), generator=g)
+        tgt = torch.randint(0, 11, (B, T), generator=g)
+        if mark:
+            pydisc.mark_dynamic(idx, [0, 1])
+            pydisc.mark_dynamic(tgt, [0, 1])
+        loss = model(idx, tgt)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        pydisc.mark_step()
+        losses.append(loss.item())
+        compiles.append(pydisc.metrics()["compiles"])
+        r = ref(idx, tgt)
+        r.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(r.item())
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-5, msg=name)
+    m = pydisc.metrics()
+    m["compiles_per_step"] = compiles
+    return m
+
+
+def _built():
+    """Templates that were compiled (a template is compiled at its first match)."""
+    return sum(t.plan is not None for t in dynamic.DYNAMIC.templates)
+
+
+def test_sequence_length_changes_every_step_one_compiled_plan():
+    sizes = [(2, 8), (2, 13), (2, 21), (2, 5), (2, 30), (2, 8), (2, 17), (2, 40)]
+    m = _train(sizes)
+    # steps 1-2 differ (the optimizer creates its state in step 1); step 3 reveals the changing dim
+    # and runs eagerly; step 4 is recorded as a template; every later size matches it
+    assert m["dynamic_templates"] == 1, m["recompiles"]
+    assert m["dynamic_eager_steps"] == 1
+    assert m["dynamic_matches"] == 4
+    assert _built() == 1
+    assert any("step input #0 dim 1 changed 13 -> 21" in r for r in m["recompiles"]), m["recompiles"]
+
+
+def test_batch_and_length_marked_dynamic():
+    sizes = [(3, 9), (2, 14), (4, 6), (3, 22), (2, 9), (5, 11), (2, 2)]
+    m = _train(sizes, mark=True)
+    # step 1 (optimizer state created) is a template that no later step matches, so it is never
+    # compiled; steps 2-3 match nothing and run eagerly, step 4 is the template later steps match
+    assert m["dynamic_templates"] == 2, m["recompiles"]
+    assert m["dynamic_matches"] == len(sizes) - 4
+    assert _built() == 1
+
+
+def test_compiles_do_not_grow_with_new_sizes():
+    sizes = [(2, 8), (2, 9), (3, 10), (2, 11), (2, 12), (2, 33), (3, 7), (4, 20), (2, 5), (6, 3)]
+    m = _train(sizes, mark=True)
+    first_match = len(sizes) - m["dynamic_matches"]    # index of the step that compiled the template
+    per_step = m["compiles_per_step"]
+    assert per_step[first_match:] == [per_step[first_match]] * (len(sizes) - first_match), per_step
+
+
+def test_size_one_gets_its_own_template():
+    sizes = [(2, 8), (3, 8), (2, 9), (1, 8), (4, 8), (1, 5), (1, 12), (3, 3)]
+    m = _train(sizes, mark=True)
+    assert m["dynamic_templates"] <= 3, m["recompiles"]
+    assert _built() >= 1
+
+
+def test_static_mode_plans_per_shape(fresh):
+    fresh.setattr(CONFIG, "dynamic", False)
+    m = _train([(2, 8), (2, 9), (2, 10), (2, 9)])
+    assert m["dynamic_templates"] == 0
+    assert m["graph_cache_misses"] == 3
+    assert m["graph_cache_hits"] == 1
+
+
+def test_eager_tensor_that_pins_a_dynamic_dim_is_reported():
+    """An eager (not lazy) target whose size varies is compared with the lazy logits in C++: the
+    symbolic size gets pinned; pydisc says so and where, and stays correct."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 3)
+    ref = copy.deepcopy(lin)
+    pydisc.lazy(lin)
+    for n in (4, 6, 7, 9):
+        x, y = torch.randn(n, 4), torch.randint(0, 3, (n,))
+        loss = torch.nn.functional.cross_entropy(lin(x), y)
+        pydisc.mark_step()
+        torch.testing.assert_close(loss.cpu(), torch.nn.functional.cross_entropy(ref(x), y))
+    m = pydisc.metrics()
+    pinned = [r for r in m["recompiles"] if "specialised" in r]
+    assert pinned and "to_lazy" in pinned[0] and "test_dynamic_shapes.py" in pinned[0], m["recompiles"]
+
+
+def test_inference_with_varying_batch_matches_eager():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)).eval()
+    ref = copy.deepcopy(net)
+    pydisc.lazy(net)
+    with torch.no_grad():
+        for n in (5, 7, 9, 31, 2, 64):
+            x = torch.randn(n, 8)
+            out = net(x)
+            pydisc.mark_step()
+            torch.testing.assert_close(out.cpu(), ref(x), rtol=1e-5, atol=1e-6)
+    m = pydisc.metrics()
+    # 5: planned for its shape; 7: eager (batch is dynamic from now on); 9: template; 31, 2, 64: matched
+    assert m["dynamic_templates"] == 1 and m["dynamic_matches"] == 3, m
+
+
+def test_mark_dynamic_rejects_bad_input():
+    with pytest.raises(TypeError, match="before it is passed"):
+        pydisc.mark_dynamic(pydisc.to_lazy(torch.ones(3)), 0)
+    with pytest.raises(IndexError, match="out of range"):
+        pydisc.mark_dynamic(torch.ones(3, 4), 2)
