@@ -69,11 +69,16 @@ def _device_reason(node: torch.fx.Node, device: torch.device) -> str | None:
 
 
 _SIZE_QUERIES = {aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int, aten.sym_storage_offset.default}
+# Checks on sizes that symbolic tracing may insert (no value, nothing to compile).
+_SIZE_CHECKS = {aten._assert_scalar.default, aten.sym_constrain_range.default,
+                aten.sym_constrain_range_for_size.default}
 
 
 def is_host_scalar(node: torch.fx.Node) -> bool:
-    """Host arithmetic on sizes: a size query or a Python operator whose value is a (symbolic) scalar.
-    Not `.item()` (`_local_scalar_dense`), which reads tensor data."""
+    """Host arithmetic on sizes: a size query or a Python operator whose value is a (symbolic) scalar,
+    or a check on sizes. Not `.item()` (`_local_scalar_dense`), which reads tensor data."""
+    if node.target in _SIZE_CHECKS:
+        return True
     if not isinstance(node.meta.get("val"), (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)):
         return False
     return node.target in _SIZE_QUERIES or not isinstance(node.target, torch._ops.OpOverload)

@@ -239,6 +239,16 @@ def _index_put(ctx: LoweringContext, x: Value, indices: Sequence[Value], values:
         batch = shapes[0]
     else:
         raise DynamicShapeError("index_put with index tensors of different dynamic shapes")
+    # A dynamic index size that the values pin to a static one (values (2, 5) for an index of size s0):
+    # use the static size, as IREE refines the values' side and then rejects the mismatch.
+    value_batch = values.shape[: max(values.rank - (x.rank - count), 0)]
+    pinned = list(batch)
+    for k in range(1, min(len(batch), len(value_batch)) + 1):
+        if type(batch[-k]) is not int and type(value_batch[-k]) is int and value_batch[-k] != 1:
+            pinned[-k] = value_batch[-k]
+    if pinned != list(batch):
+        batch = tuple(pinned)
+        indices = [b.cast(b.broadcast_to(i, shapes[0]), TensorSpec(batch, i.dtype)) for i in indices]
     if count == 1:
         coords = b.broadcast_to(_wrap_negative(b, indices[0], x.shape[0]), batch)
     else:
