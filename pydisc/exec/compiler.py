@@ -72,21 +72,33 @@ def _load_from_disk_or_compile(
     text: str, digest: str, target: Target, session: DeviceSession, name: str
 ) -> CompiledModule:
     cache: DiskCache | None = configured_disk_cache()
-    disk_key = cache_key(digest, target) if cache is not None else ""
-    if cache is not None:
-        vmfb = cache.get(disk_key)  # CacheDirError for an unsafe folder: the user must fix it
-        if vmfb is not None:
-            try:
-                module = CompiledModule(vmfb, session, name=name)
-            except Exception:  # noqa: BLE001 - an intact entry this runtime cannot load: compile afresh
-                cache.discard(disk_key)
-            else:
-                _count_hit(disk=True)
-                return module
-    vmfb = _compile(text, digest, target)
-    module = CompiledModule(vmfb, session, name=name)
-    if cache is not None:  # only modules that load are worth keeping
-        cache.put(disk_key, vmfb)
+    if cache is None:
+        return CompiledModule(_compile(text, digest, target), session, name=name)
+    disk_key = cache_key(digest, target)
+    module = _load_from_disk(cache, disk_key, session, name)
+    if module is not None:
+        return module
+    with cache.compiling(disk_key):
+        # another process (a rank of the same job) may have compiled it while this one waited
+        module = _load_from_disk(cache, disk_key, session, name)
+        if module is not None:
+            return module
+        vmfb = _compile(text, digest, target)
+        module = CompiledModule(vmfb, session, name=name)
+        cache.put(disk_key, vmfb)  # only modules that load are worth keeping
+    return module
+
+
+def _load_from_disk(cache: DiskCache, disk_key: str, session: DeviceSession, name: str) -> CompiledModule | None:
+    vmfb = cache.get(disk_key)  # CacheDirError for an unsafe folder: the user must fix it
+    if vmfb is None:
+        return None
+    try:
+        module = CompiledModule(vmfb, session, name=name)
+    except Exception:  # noqa: BLE001 - an intact entry this runtime cannot load: compile afresh
+        cache.discard(disk_key)
+        return None
+    _count_hit(disk=True)
     return module
 
 

@@ -6,7 +6,9 @@ Entries are executable code, so:
 - every entry carries the sha256 of its bytes; a truncated or corrupted entry is removed and compiled
   again, never loaded;
 - writes go to a temporary file in the same folder and are renamed into place (`os.replace`), so a
-  reader sees a whole entry or none, and concurrent writers of one key simply replace each other.
+  reader sees a whole entry or none, and concurrent writers of one key simply replace each other;
+- a process about to compile an entry holds a lock on it (`compiling`), so processes sharing the folder
+  (the ranks of a distributed job on one host) compile it once: the others wait, then read it.
 
 Size is bounded least-recently-used: a hit touches the entry's mtime, and a write evicts the oldest
 entries while the folder is over its limit. Anything else that goes wrong on disk (a read-only home, a
@@ -14,6 +16,7 @@ full disk) warns once and leaves compiling as it was. See docs/cache.md.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.metadata
@@ -30,6 +33,11 @@ from ..config import CONFIG
 from .errors import CacheDirError, CacheWarning
 from .target import Target
 
+try:
+    import fcntl
+except ImportError:   # not POSIX: no compile locks
+    fcntl = None
+
 __all__ = [
     "DiskCache", "CacheInfo", "configured_disk_cache", "resolve_cache_dir", "cache_key", "cache_command",
     "ENTRY_SUFFIX",
@@ -40,7 +48,8 @@ ENTRY_SUFFIX = ".vmfb"
 _MAGIC = b"PYDISC\x00\x01"
 _HEADER_SIZE = len(_MAGIC) + 32 + 8
 _TEMP_PREFIX = ".tmp-"
-_STALE_TEMP_SECONDS = 3600  # a temp file this old was left by a process that died mid-write
+_LOCK_PREFIX = ".lock-"
+_STALE_TEMP_SECONDS = 3600  # a temp file (or lock file) this old was left by a process that died mid-write
 _KEY_FORMAT = "pydisc-vmfb-cache-1"
 # pydisc.__version__ is read from the loaded package when possible (exec must not import pydisc's top
 # level); this is the last resort and should follow pyproject.toml.
@@ -119,6 +128,26 @@ class DiskCache:
                 _remove_quietly(temp)
         self.evict()
 
+    @contextlib.contextmanager
+    def compiling(self, key: str):
+        """Hold the lock of `key` while it is compiled and stored: another process sharing the folder
+        that wants the same entry waits here, and then finds it with `get`. Without file locks (not
+        POSIX) or a usable folder, nothing waits and everyone compiles, which is safe too."""
+        fd = None
+        if fcntl is not None and self._usable():
+            try:
+                fd = os.open(os.path.join(self.directory, _LOCK_PREFIX + key), os.O_RDWR | os.O_CREAT, 0o600)
+                fcntl.flock(fd, fcntl.LOCK_EX)   # released by close, or by the kernel if this process dies
+            except OSError:
+                if fd is not None:
+                    os.close(fd)
+                fd = None
+        try:
+            yield
+        finally:
+            if fd is not None:
+                os.close(fd)
+
     def discard(self, key: str) -> None:
         _remove_quietly(self.path(key))
 
@@ -147,7 +176,7 @@ class DiskCache:
         for path, _, _ in entries:
             _remove_quietly(path)
         for name in os.listdir(self.directory):
-            if name.startswith(_TEMP_PREFIX):
+            if name.startswith((_TEMP_PREFIX, _LOCK_PREFIX)):
                 _remove_quietly(os.path.join(self.directory, name))
         return len(entries), sum(size for _, size, _ in entries)
 
@@ -200,7 +229,7 @@ class DiskCache:
                 if entry.name.endswith(ENTRY_SUFFIX) and _is_key(entry.name[: -len(ENTRY_SUFFIX)]):
                     st = entry.stat()
                     out.append((entry.path, st.st_size, st.st_mtime))
-                elif remove_stale_temps and entry.name.startswith(_TEMP_PREFIX):
+                elif remove_stale_temps and entry.name.startswith((_TEMP_PREFIX, _LOCK_PREFIX)):
                     if now - entry.stat().st_mtime > _STALE_TEMP_SECONDS:
                         _remove_quietly(entry.path)
             except FileNotFoundError:

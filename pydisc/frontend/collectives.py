@@ -35,10 +35,9 @@ __all__ = ["COLLECTIVE_NAMESPACES", "install_collectives", "run_collective", "de
 
 aten = torch.ops.aten
 
-# Operator namespaces whose ops communicate between processes.
+# Operator namespaces whose ops communicate between processes; the functional ones return new tensors
+# whose collective may still be in flight.
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd", "_dtensor")
-
-
 _FUNCTIONAL = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
 
 
@@ -90,10 +89,6 @@ def run_collective(func, args, kwargs):
     if isinstance(out, (list, tuple)):
         return type(out)(type(o)(map(wrap, o)) if isinstance(o, (list, tuple)) else wrap(o) for o in out)
     return wrap(out)
-
-
-def _collective_rewrite(func, args, kwargs):
-    return run_collective(func, args, kwargs)
 
 
 def _waited(func, args, kwargs):
@@ -200,7 +195,7 @@ _SPECIAL = {"wait_tensor": _waited, "_wrap_tensor_autograd": _wrap_async}
 
 
 def _namespace_rewrite(func, args, kwargs):
-    return _SPECIAL.get(func._opname, _collective_rewrite)(func, args, kwargs)
+    return _SPECIAL.get(func._opname, run_collective)(func, args, kwargs)
 
 
 def install_collectives() -> None:
