@@ -42,8 +42,9 @@ def register_comm_hook(ddp: torch.nn.parallel.DistributedDataParallel, state: An
     the step (each gradient is marked by a post-accumulate-grad hook on its parameter, which autograd
     runs right before the reducer's). When a bucket is full, everything recorded up to it runs,
     compiled, and `hook(state, bucket)` reduces the bucket's device data: by default
-    `allreduce_mean_hook`, equal to DDP without a hook. Any DDP comm hook works as `hook`; it sees the
-    filled bucket. Register hooks of a lazy DDP through this function, not with `ddp.register_comm_hook`.
+    `allreduce_mean_hook` over DDP's process group, equal to DDP without a hook. Any DDP comm hook
+    works as `hook`; it sees the filled bucket. Register hooks of a lazy DDP through this function, not
+    with `ddp.register_comm_hook`.
     """
     if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
         raise TypeError("pydisc.distributed.register_comm_hook expects a DistributedDataParallel, got %s"
@@ -51,7 +52,9 @@ def register_comm_hook(ddp: torch.nn.parallel.DistributedDataParallel, state: An
     if not any(isinstance(p, LazyTensor) for p in ddp.module.parameters()):
         raise TypeError("pydisc.distributed.register_comm_hook: the module inside DDP has no lazy parameters; "
                         "wrap it as DDP(pydisc.lazy(model)) first")
-    inner = hook if hook is not None else allreduce_mean_hook
+    if hook is None:
+        hook, state = allreduce_mean_hook, ddp.process_group if state is None else state
+    inner = hook
 
     def pydisc_hook(hook_state, bucket):   # unannotated: DDP checks annotations, and these are strings here
         flush_deferred_writes()        # forward and backward up to this bucket, compiled
