@@ -18,9 +18,11 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, Stateles
 
 import pydisc.exec
 from conftest import trace
+from pydisc.config import CONFIG
 from pydisc.frontend.decompositions import DECOMPOSITIONS
 from pydisc.frontend.emit import LoweringError, TensorSpec, emit_cluster, unsupported_reason
 from pydisc.frontend.lowering.builder import reshape_groups
+from pydisc.metrics import METRICS
 from pydisc.plan import CompiledCluster, StepPlan, plan_graph
 
 aten = torch.ops.aten
@@ -296,7 +298,9 @@ def _graph_with_size_input() -> tuple[torch.fx.GraphModule, torch.Tensor, torch.
     return torch.fx.GraphModule(torch.nn.Module(), graph), x, n
 
 
-def test_size_inputs_are_dropped_and_size_outputs_computed_on_the_host(compiles: list[str]) -> None:
+def test_size_inputs_are_dropped_and_size_outputs_computed_on_the_host(compiles: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(CONFIG, "check_every", 1)  # PYDISC_CHECK=1: each call also compared with eager
+    checks, mismatches = METRICS.numerics_checks, len(METRICS.numerics_mismatches)
     gm, _, _ = _graph_with_size_input()
     cluster = emit_cluster(gm)
     assert cluster.arguments == (0,) and len(cluster.inputs) == 1  # n is not an argument
@@ -311,6 +315,7 @@ def test_size_inputs_are_dropped_and_size_outputs_computed_on_the_host(compiles:
         assert times == 3 * rows and type(times) is int
         torch.testing.assert_close(scaled, x * 3 * rows)
     assert len(compiles) == 1
+    assert METRICS.numerics_checks == checks + 3 and len(METRICS.numerics_mismatches) == mismatches
 
 
 def test_unbound_symbol_is_a_lowering_error_and_runs_eagerly() -> None:
