@@ -21,7 +21,7 @@ from conftest import trace
 from pydisc.config import CONFIG
 from pydisc.frontend.decompositions import DECOMPOSITIONS
 from pydisc.frontend.emit import LoweringError, TensorSpec, emit_cluster, unsupported_reason
-from pydisc.frontend.lowering.builder import reshape_groups
+from pydisc.frontend.lowering.symbolic import reshape_groups
 from pydisc.metrics import METRICS
 from pydisc.plan import CompiledCluster, StepPlan, plan_graph
 

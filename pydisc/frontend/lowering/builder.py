@@ -13,23 +13,29 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import sympy
 import torch
 
+from pydisc.frontend.lowering.sizes import RuntimeSizes
 from pydisc.frontend.lowering.symbolic import (
-    Size,
-    SizeBindings,
     DynamicShapeError,
+    Size,
     ceil_div,
-    expression_node,
     floor_div,
-    is_integer,
     is_static,
-    same_size,
+    reshape_groups,
+    same_shape,
     size_max,
-    size_of,
+)
+from pydisc.frontend.lowering.values import (
+    ELEMENT_TYPES,
+    IndexTensor,
+    TensorSpec,
+    Value,
+    element_type,
+    is_float,
+    is_signed_int,
 )
 
 __all__ = [
@@ -42,105 +48,6 @@ __all__ = [
     "is_float",
     "is_signed_int",
 ]
-
-ELEMENT_TYPES: dict[torch.dtype, str] = {
-    torch.float32: "f32",
-    torch.float16: "f16",
-    torch.bfloat16: "bf16",
-    torch.float64: "f64",
-    torch.int64: "i64",
-    torch.int32: "i32",
-    torch.int16: "i16",
-    torch.int8: "i8",
-    torch.uint8: "ui8",
-    torch.bool: "i1",
-}
-
-
-def element_type(dtype: torch.dtype) -> str:
-    return ELEMENT_TYPES[dtype]
-
-
-def is_float(dtype: torch.dtype) -> bool:
-    return dtype.is_floating_point
-
-
-def is_signed_int(dtype: torch.dtype) -> bool:
-    return dtype in (torch.int64, torch.int32, torch.int16, torch.int8)
-
-
-@dataclass(frozen=True, slots=True)
-class TensorSpec:
-    """Shape and dtype of one tensor; `str()` is its MLIR type. A dim is an int or, when dynamic, a
-    sympy expression over the step's size symbols (printed `?`)."""
-
-    shape: tuple[Size, ...]
-    dtype: torch.dtype
-
-    def __post_init__(self) -> None:
-        if not all(type(d) is int for d in self.shape):
-            object.__setattr__(self, "shape", tuple(size_of(d) for d in self.shape))
-
-    @property
-    def rank(self) -> int:
-        return len(self.shape)
-
-    @property
-    def numel(self) -> Size:
-        return math.prod(self.shape)
-
-    @property
-    def is_static(self) -> bool:
-        return is_static(self.shape)
-
-    def with_dtype(self, dtype: torch.dtype) -> TensorSpec:
-        return TensorSpec(self.shape, dtype)
-
-    def with_shape(self, shape: Sequence[int]) -> TensorSpec:
-        return TensorSpec(tuple(shape), self.dtype)
-
-    def __str__(self) -> str:
-        dims = "".join(f"{d}x" if type(d) is int else "?x" for d in self.shape)
-        return f"tensor<{dims}{element_type(self.dtype)}>"
-
-
-@dataclass(frozen=True, slots=True)
-class Value:
-    """An SSA value of the function being built."""
-
-    name: str
-    type: TensorSpec
-
-    @property
-    def shape(self) -> tuple[Size, ...]:
-        return self.type.shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.type.dtype
-
-    @property
-    def rank(self) -> int:
-        return self.type.rank
-
-    def __str__(self) -> str:
-        return self.name
-
-
-@dataclass(frozen=True, slots=True)
-class IndexTensor:
-    """A 1-D `tensor<Nxindex>` (a runtime shape or index vector), an operand of the dynamic ops."""
-
-    name: str
-    length: int
-
-    @property
-    def type(self) -> str:
-        return f"tensor<{self.length}xindex>"
-
-    def __str__(self) -> str:
-        return self.name
-
 
 def _i64_array(values: Sequence[int]) -> str:
     return "array<i64" + ("" if not values else ": " + ", ".join(str(int(v)) for v in values)) + ">"
@@ -165,7 +72,7 @@ def _literal(value: float | int | bool, dtype: torch.dtype) -> str:
     return f"0x{pattern:0{2 * bits.element_size()}X}"
 
 
-class FunctionBuilder:
+class FunctionBuilder(RuntimeSizes):
     """Collects the body of one `func.func`; values get fresh names `%0`, `%1`, ..."""
 
     def __init__(self) -> None:
@@ -176,12 +83,7 @@ class FunctionBuilder:
         # llvm-cpu (the sum of 50 ones comes out as 7: one per 8-wide vector), so `reduce` hides them
         # behind an optimization barrier. Backward passes sum broadcast ones all the time.
         self._constant: set[str] = set()
-        # Runtime sizes: where each size symbol is read (a dim of an argument) and the `index` value
-        # already computed for each size expression (reused; regions get their own copy).
-        self._bindings = SizeBindings()
-        self._arguments: dict[int, Value] = {}
-        self._sizes: dict[Size, str] = {}
-        self._shapes: dict[tuple[Size, ...], IndexTensor] = {}
+        self._init_sizes()  # runtime sizes (sizes.py)
 
     # ---- low level -------------------------------------------------------------------------------
     def fresh(self, spec: TensorSpec) -> Value:
@@ -246,9 +148,9 @@ class FunctionBuilder:
             args = [self.fresh(s) for s in arg_specs]
             self.line("^bb0(" + ", ".join(f"{a.name}: {a.type}" for a in args) + "):")
             # sizes computed inside the region do not dominate the code after it
-            sizes, shapes = dict(self._sizes), dict(self._shapes)
+            saved = self._save_sizes()
             results = body(*args)
-            self._sizes, self._shapes = sizes, shapes
+            self._restore_sizes(saved)
             self.line(
                 "stablehlo.return " + ", ".join(r.name for r in results)
                 + " : " + ", ".join(str(r.type) for r in results)
@@ -352,7 +254,7 @@ class FunctionBuilder:
     def broadcast_in_dim(self, x: Value, shape: Sequence[Size], dims: Sequence[int]) -> Value:
         """`x`'s dim i becomes output dim `dims[i]` (a size-1 dim may be expanded)."""
         spec = TensorSpec(tuple(shape), x.dtype)
-        if _same_shape(spec.shape, x.shape) and list(dims) == list(range(x.rank)):
+        if same_shape(spec.shape, x.shape) and list(dims) == list(range(x.rank)):
             return x
         if spec.is_static and x.type.is_static:
             return self.op(
@@ -387,7 +289,7 @@ class FunctionBuilder:
             return x
         if spec.is_static and x.type.is_static:
             return self.op("stablehlo.reshape", [x], spec)
-        if _same_shape(spec.shape, x.shape):
+        if same_shape(spec.shape, x.shape):
             return Value(x.name, spec)
         return self._dynamic_reshape(x, spec)
 
@@ -465,7 +367,7 @@ class FunctionBuilder:
         """x[start:limit:strides]; `shape` gives the result's sizes where the caller knows them better
         (the recorded ones) than the division here."""
         if not (x.type.is_static and is_static(start) and is_static(limit)):
-            if all(lo == 0 for lo in start) and all(st == 1 for st in strides) and _same_shape(limit, x.shape):
+            if all(lo == 0 for lo in start) and all(st == 1 for st in strides) and same_shape(limit, x.shape):
                 return x
             if shape is None:
                 shape = tuple(ceil_div(hi - lo, st) for lo, hi, st in zip(start, limit, strides))
@@ -600,165 +502,9 @@ class FunctionBuilder:
     def text(self) -> str:
         return "\n".join(self._lines)
 
-    # ---- runtime sizes ---------------------------------------------------------------------------
-    def bind_argument(self, position: int, value: Value) -> None:
-        """Make the dynamic dims of function argument `value` (input `position`) readable as sizes."""
-        self._arguments[position] = value
-        for dim, size in enumerate(value.shape):
-            self._bindings.add(size, position, dim)
-
-    @property
-    def size_bindings(self) -> SizeBindings:
-        return self._bindings
-
-    def index(self, size: Size) -> str:
-        """The name of an `index` value equal to `size` at run time (computed once per expression)."""
-        name = self._sizes.get(size)
-        if name is not None:
-            return name
-        if type(size) is int:
-            name = self._fresh_name()
-            self.line(f"{name} = arith.constant {size} : index")
-        else:
-            resolved = self._bindings.resolve(size)
-            if resolved in self._bindings.leaves:
-                position, dim = self._bindings.leaves[resolved]
-                argument = self._arguments[position]
-                dim_index = self.index(dim)
-                name = self._fresh_name()
-                self.line(f"{name} = tensor.dim {argument.name}, {dim_index} : {argument.type}")
-            else:
-                name = self._index_expression(resolved)
-        self._sizes[size] = name
-        return name
-
-    def _index_expression(self, expr: sympy.Expr) -> str:
-        kind, *args = expression_node(expr)
-        if kind == "leaf":
-            return self.index(args[0])
-        if kind not in _INDEX_OPS and kind != "mod":
-            raise UnboundSizeError(f"{expr} is not an integer size")
-        operands = [self.index(a) for a in args]
-        if kind == "mod":  # a - b * floor(a / b): Python's modulo, torch's Mod on its non-negative domain
-            quotient = self._arith("floordivsi", operands[0], operands[1])
-            return self._arith("subi", operands[0], self._arith("muli", quotient, operands[1]))
-        result = operands[0]
-        for operand in operands[1:]:
-            result = self._arith(_INDEX_OPS[kind], result, operand)
-        return result
-
-    def _arith(self, op: str, lhs: str, rhs: str) -> str:
-        name = self._fresh_name()
-        self.line(f"{name} = arith.{op} {lhs}, {rhs} : index")
-        return name
-
-    def shape_tensor(self, sizes: Sequence[Size]) -> IndexTensor:
-        """A `tensor<Nxindex>` holding `sizes` at run time."""
-        key = tuple(sizes)
-        out = self._shapes.get(key)
-        if out is None:
-            names = [self.index(d) for d in sizes]
-            out = IndexTensor(self._fresh_name(), len(names))
-            self.line(f"{out.name} = tensor.from_elements {', '.join(names)} : {out.type}")
-            self._shapes[key] = out
-        return out
-
-    def size_scalar(self, size: Size, dtype: torch.dtype) -> Value:
-        """A 0-d tensor of `dtype` holding `size` (a size used as a number, e.g. the count of a mean);
-        a float expression of sizes (`s0 / 4`, `s0 ** -0.5`) is computed in float64."""
-        if not is_integer(size):
-            return self.convert(self._float_scalar(size), dtype)
-        key = ("i64", size)
-        out = self._sizes.get(key)  # type: ignore[call-overload]
-        if out is None:
-            wide = self._fresh_name()
-            self.line(f"{wide} = arith.index_cast {self.index(size)} : index to i64")
-            out = self.fresh(TensorSpec((), torch.int64))
-            self.line(f"{out.name} = tensor.from_elements {wide} : {out.type}")
-            self._sizes[key] = out  # type: ignore[index]
-        return self.convert(out, dtype)  # type: ignore[arg-type]
-
-    def _float_scalar(self, size: Size | float) -> Value:
-        if isinstance(size, (int, float)):
-            return self.constant(size, torch.float64)
-        if is_integer(size):
-            return self.size_scalar(size, torch.float64)
-        kind, *args = expression_node(size)
-        if kind == "float":
-            return self._float_scalar(args[0])
-        operands = [self._float_scalar(a) for a in args]
-        name = {"add": "add", "mul": "multiply", "truediv": "divide", "pow": "power"}.get(kind)
-        if name is None:
-            raise UnboundSizeError(f"{size}: {kind} of floats")
-        result = operands[0]
-        for operand in operands[1:]:
-            result = self.binary(name, result, operand)
-        return result
-
-
-_INDEX_OPS = {"add": "addi", "mul": "muli", "floordiv": "floordivsi", "ceildiv": "ceildivsi", "max": "maxsi", "min": "minsi"}
-
-
-def _same_shape(a: Sequence[Size], b: Sequence[Size]) -> bool:
-    return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
-
 
 def _reassociation(groups: object) -> str:
     return "[" + ", ".join("[" + ", ".join(map(str, g)) + "]" for g in groups) + "]"  # type: ignore[attr-defined]
-
-
-def reshape_groups(source: Sequence[Size], target: Sequence[Size]) -> list[tuple[list[int], list[int]]] | None:
-    """Contiguous groups of source dims and target dims with equal products, in order (size-1 dims join
-    a neighbouring group); None when the sizes do not split that way."""
-    groups: list[tuple[list[int], list[int]]] = []
-    i = j = 0
-    while i < len(source) or j < len(target):
-        src: list[int] = []
-        dst: list[int] = []
-        have: Size = 1
-        want: Size = 1
-        if i < len(source):
-            src.append(i)
-            have = source[i]
-            i += 1
-        if j < len(target):
-            dst.append(j)
-            want = target[j]
-            j += 1
-        while not same_size(have, want):
-            numerator, denominator = sympy.fraction(sympy.cancel(sympy.sympify(want) / sympy.sympify(have)))
-            grow_source = i < len(source) and (denominator == 1 or j >= len(target))
-            grow_target = j < len(target) and (numerator == 1 or i >= len(source))
-            if not grow_source and not grow_target:  # neither divides the other: take one more of each
-                grow_source, grow_target = i < len(source), j < len(target)
-                if not grow_source and not grow_target:
-                    return None
-            if grow_source:
-                src.append(i)
-                have = have * source[i]
-                i += 1
-            if grow_target:
-                dst.append(j)
-                want = want * target[j]
-                j += 1
-        groups.append((src, dst))
-    # a group of only size-1 dims on one side joins its neighbour
-    merged: list[tuple[list[int], list[int]]] = []
-    pending: tuple[list[int], list[int]] = ([], [])
-    for src, dst in groups:
-        if not src or not dst:
-            if merged:
-                merged[-1][0].extend(src)
-                merged[-1][1].extend(dst)
-            else:
-                pending[0].extend(src)
-                pending[1].extend(dst)
-            continue
-        merged.append((pending[0] + src, pending[1] + dst))
-        pending = ([], [])
-    if pending[0] or pending[1]:
-        return None
-    return merged
 
 
 def i64_array(values: Sequence[int]) -> str:
@@ -766,4 +512,4 @@ def i64_array(values: Sequence[int]) -> str:
     return _i64_array(values)
 
 
-__all__ += ["i64_array", "reshape_groups"]
+__all__ += ["i64_array"]

@@ -27,10 +27,12 @@ __all__ = [
     "ceil_div",
     "check_computable",
     "expression_node",
-    "is_integer",
     "floor_div",
+    "is_integer",
     "is_static",
     "python_expression",
+    "reshape_groups",
+    "same_shape",
     "same_size",
     "size_of",
     "size_max",
@@ -231,3 +233,60 @@ class SizeBindings:
             )
         return expr
 
+
+def same_shape(a: Sequence[Size], b: Sequence[Size]) -> bool:
+    return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
+
+
+def reshape_groups(source: Sequence[Size], target: Sequence[Size]) -> list[tuple[list[int], list[int]]] | None:
+    """Contiguous groups of source dims and target dims with equal products, in order (size-1 dims join
+    a neighbouring group); None when the sizes do not split that way."""
+    groups: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(source) or j < len(target):
+        src: list[int] = []
+        dst: list[int] = []
+        have: Size = 1
+        want: Size = 1
+        if i < len(source):
+            src.append(i)
+            have = source[i]
+            i += 1
+        if j < len(target):
+            dst.append(j)
+            want = target[j]
+            j += 1
+        while not same_size(have, want):
+            numerator, denominator = sympy.fraction(sympy.cancel(sympy.sympify(want) / sympy.sympify(have)))
+            grow_source = i < len(source) and (denominator == 1 or j >= len(target))
+            grow_target = j < len(target) and (numerator == 1 or i >= len(source))
+            if not grow_source and not grow_target:  # neither divides the other: take one more of each
+                grow_source, grow_target = i < len(source), j < len(target)
+                if not grow_source and not grow_target:
+                    return None
+            if grow_source:
+                src.append(i)
+                have = have * source[i]
+                i += 1
+            if grow_target:
+                dst.append(j)
+                want = want * target[j]
+                j += 1
+        groups.append((src, dst))
+    # a group of only size-1 dims on one side joins its neighbour
+    merged: list[tuple[list[int], list[int]]] = []
+    pending: tuple[list[int], list[int]] = ([], [])
+    for src, dst in groups:
+        if not src or not dst:
+            if merged:
+                merged[-1][0].extend(src)
+                merged[-1][1].extend(dst)
+            else:
+                pending[0].extend(src)
+                pending[1].extend(dst)
+            continue
+        merged.append((pending[0] + src, pending[1] + dst))
+        pending = ([], [])
+    if pending[0] or pending[1]:
+        return None
+    return merged
