@@ -17,7 +17,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 import pydisc.exec
-from conftest import trace
+from conftest import check, trace
 from pydisc.config import CONFIG
 from pydisc.frontend.decompositions import DECOMPOSITIONS
 from pydisc.frontend.emit import LoweringError, TensorSpec, emit_cluster, unsupported_reason
@@ -216,9 +216,45 @@ def _cnn_step(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, b: torch.Tensor
 def test_cnn_forward_backward_dynamic_batch(compiles: list[str]) -> None:
     params = [torch.randn(4, 3, 3, 3), torch.randn(4), torch.randn(4), torch.randn(4), torch.randn(4, 16)]
     batch = lambda n: [torch.randn(n, 3, 8, 8), torch.randint(0, 4, (n,)), *params]  # noqa: E731
-    # avg_pool2d_backward has no lowering rule, static or dynamic
-    check_sizes(_cnn_step, batch(2), {0: (0,), 1: (0,)}, [batch(n) for n in (2, 5, 3)], compiles,
-                eager=["aten.avg_pool2d_backward.default"])
+    check_sizes(_cnn_step, batch(2), {0: (0,), 1: (0,)}, [batch(n) for n in (2, 5, 3)], compiles)
+
+
+_POOLS = [((2, 2), (2, 2), (0, 0), True, None), ((3, 3), (2, 2), (1, 1), False, None),
+          ((3, 2), (1, 2), (1, 0), True, None), ((2, 2), (1, 1), (1, 1), True, 3)]
+
+
+def _pools(x: torch.Tensor, grad_source: torch.Tensor) -> list[torch.Tensor]:
+    outs = []
+    for kernel, stride, padding, include, divisor in _POOLS:
+        y = aten.avg_pool2d(x, kernel, stride, padding, False, include, divisor)
+        grad = grad_source[..., : y.shape[-2], : y.shape[-1]]
+        outs += [y, aten.avg_pool2d_backward(grad, x, kernel, stride, padding, False, include, divisor)]
+    return outs
+
+
+def _max_pools(x: torch.Tensor, grad_source: torch.Tensor) -> list[torch.Tensor]:
+    outs = []
+    for kernel, stride, padding, dilation, ceil in [((2, 2), (2, 2), (0, 0), (1, 1), False),
+                                                     ((3, 3), (1, 2), (1, 1), (1, 1), False),
+                                                     ((2, 3), (2, 1), (1, 1), (2, 1), True)]:
+        y, index = aten.max_pool2d_with_indices(x, kernel, stride, padding, dilation, ceil)
+        grad = grad_source[..., : y.shape[-2], : y.shape[-1]]
+        outs += [y, index, aten.max_pool2d_with_indices_backward(grad, x, kernel, stride, padding, dilation, ceil, index)]
+    return outs
+
+
+def test_max_pool_backward_dynamic_batch(compiles: list[str]) -> None:
+    variants = [[torch.randn(n, 2, 7, 6), torch.randn(n, 2, 8, 8)] for n in (2, 5, 3)]
+    check_sizes(_max_pools, variants[0], {0: (0,), 1: (0,)}, variants, compiles)
+
+
+def test_avg_pool_forward_and_backward_static() -> None:
+    check(_pools, torch.randn(2, 3, 7, 6), torch.randn(2, 3, 8, 8))
+
+
+def test_avg_pool_forward_and_backward_dynamic_batch(compiles: list[str]) -> None:
+    variants = [[torch.randn(n, 3, 7, 6), torch.randn(n, 3, 8, 8)] for n in (2, 5, 3)]
+    check_sizes(_pools, variants[0], {0: (0,), 1: (0,)}, variants, compiles)
 
 
 # ---- op families ----------------------------------------------------------------------------------

@@ -261,6 +261,8 @@ def _max_pool2d_backward(
     padding: Sequence[int], dilation: Sequence[int], ceil_mode: bool, indices: Value,
 ) -> Value:
     b = ctx.builder
+    if not x.type.is_static:
+        return _max_pool2d_backward_by_windows(ctx, grad, x, kernel_size, stride, padding, dilation, indices)
     lead = x.shape[:-2]
     plane = x.shape[-2] * x.shape[-1]
     zeros = b.full((*lead, plane), 0, x.dtype)
@@ -268,6 +270,40 @@ def _max_pool2d_backward(
     flat_index = b.reshape(indices, (*lead, indices.shape[-2] * indices.shape[-1]))
     summed = scatter(b, zeros, len(lead), flat_index, flat_grad, lambda b_, u, v: b_.binary("add", u, v))
     return b.reshape(summed, x.shape)
+
+
+def _max_pool2d_backward_by_windows(
+    ctx: LoweringContext, grad: Value, x: Value, kernel_size: Sequence[int], stride: Sequence[int],
+    padding: Sequence[int], dilation: Sequence[int], indices: Value,
+) -> Value:
+    """With dynamic sizes, no scatter (IREE 3.13 fails to size a fused scatter's stack buffer): for each
+    window offset, the gradient of the outputs whose argmax sits at that offset, spread back to the
+    input as in `_avg_pool2d_backward`."""
+    b = ctx.builder
+    kernel, stride, padding, dilation = _pool_params(x, kernel_size, stride, padding, dilation)
+    lead = x.rank - 2
+    out = grad.type
+    w = x.shape[-1]
+    rows = b.iota(out.shape, lead, torch.int64)
+    cols = b.iota(out.shape, lead + 1, torch.int64)
+    zero = b.constant(0, grad.dtype)
+    zeros = b.full(out.shape, 0, grad.dtype)
+    total = None
+    for i in range(kernel[0]):
+        for j in range(kernel[1]):
+            r = b.binary("add", b.binary("multiply", rows, b.full(out.shape, stride[0], torch.int64)), b.full(out.shape, i * dilation[0] - padding[0], torch.int64))
+            c = b.binary("add", b.binary("multiply", cols, b.full(out.shape, stride[1], torch.int64)), b.full(out.shape, j * dilation[1] - padding[1], torch.int64))
+            flat = b.binary("add", b.binary("multiply", r, b.full(out.shape, w, torch.int64)), c)
+            picked = b.select(b.compare("EQ", indices, flat), grad, zeros)
+            low = [0] * lead + [i * dilation[0], j * dilation[1]]
+            high = [0] * lead + [
+                x.shape[lead + d] + 2 * padding[d] - low[lead + d] - ((out.shape[lead + d] - 1) * stride[d] + 1)
+                for d in range(2)
+            ]
+            spread = b.pad(picked, zero, low, high, [0] * lead + [s - 1 for s in stride])
+            total = spread if total is None else b.binary("add", total, spread)
+    limits = list(total.shape[:lead]) + [padding[d] + x.shape[lead + d] for d in range(2)]  # type: ignore[union-attr]
+    return b.slice(total, [0] * lead + list(padding), limits, [1] * x.rank, shape=x.shape)  # type: ignore[arg-type]
 
 
 @lowering(aten.avg_pool2d.default, dynamic=True)
@@ -317,18 +353,57 @@ def _avg_pool2d_by_slices(
             ]
             window = b.slice(padded, starts, limits, [1] * lead + stride, shape=out.shape)
             total = window if total is None else b.binary("add", total, window)
-    if divisor_override or count_include_pad:
-        count = b.full(out.shape, divisor_override or kernel[0] * kernel[1], x.dtype)
-    else:
-        ones = torch.ones(1, 1, *x.shape[-2:])
-        per_position = torch.nn.functional.avg_pool2d(ones, kernel, stride, padding, divisor_override=1)[0, 0]
-        count = b.broadcast_in_dim(b.literal(per_position.to(x.dtype)), out.shape, [lead, lead + 1])
+    count = _pool_divisor(b, x, out, kernel, stride, padding, count_include_pad, divisor_override)
     return b.convert(b.binary("divide", total, count), ctx.out_dtype)  # type: ignore[arg-type]
 
 
-@support_check(aten.avg_pool2d.default)
+def _pool_divisor(b: FunctionBuilder, x: Value, out: TensorSpec, kernel: list[int], stride: list[int],
+                  padding: list[int], count_include_pad: bool, divisor_override: int | None) -> Value:
+    """avg_pool2d's divisor per output position, of shape `out`: the window size, or (without
+    count_include_pad) the count of unpadded elements, which depends only on the static spatial sizes."""
+    lead = x.rank - 2
+    if divisor_override or count_include_pad:
+        return b.full(out.shape, divisor_override or kernel[0] * kernel[1], out.dtype)
+    ones = torch.ones(1, 1, *x.shape[-2:])
+    per_position = torch.nn.functional.avg_pool2d(ones, kernel, stride, padding, divisor_override=1)[0, 0]
+    return b.broadcast_in_dim(b.literal(per_position.to(out.dtype)), out.shape, [lead, lead + 1])
+
+
+@lowering(aten.avg_pool2d_backward.default, dynamic=True)
+def _avg_pool2d_backward(
+    ctx: LoweringContext, grad: Value, x: Value, kernel_size: Sequence[int], stride: Sequence[int],
+    padding: Sequence[int], ceil_mode: bool, count_include_pad: bool, divisor_override: int | None,
+) -> Value:
+    """Each window offset (i, j) sends grad / divisor back to the input positions it read: the scaled
+    gradient spread out by the stride (interior padding), shifted by (i, j), summed over the k*k offsets
+    and cropped to the unpadded input."""
+    b = ctx.builder
+    kernel, stride, padding, _ = _pool_params(x, kernel_size, stride, padding)
+    lead = x.rank - 2
+    acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    g = b.convert(grad, acc)
+    g = b.binary("divide", g, _pool_divisor(b, x, g.type, kernel, stride, padding, count_include_pad, divisor_override))
+    zero = b.constant(0, acc)
+    total = None
+    for i in range(kernel[0]):
+        for j in range(kernel[1]):
+            low = [0] * lead + [i, j]
+            high = [0] * lead + [
+                x.shape[lead + d] + 2 * padding[d] - low[lead + d] - ((g.shape[lead + d] - 1) * stride[d] + 1)
+                for d in range(2)
+            ]
+            spread = b.pad(g, zero, low, high, [0] * lead + [s - 1 for s in stride])
+            total = spread if total is None else b.binary("add", total, spread)
+    starts = [0] * lead + padding
+    limits = list(total.shape[:lead]) + [padding[d] + x.shape[lead + d] for d in range(2)]  # type: ignore[union-attr]
+    cropped = b.slice(total, starts, limits, [1] * x.rank, shape=x.shape)  # type: ignore[arg-type]
+    return b.convert(cropped, ctx.out_dtype)
+
+
+@support_check(aten.avg_pool2d.default, aten.avg_pool2d_backward.default)
 def _avg_pool_check(node: torch.fx.Node) -> str | None:
-    args = list(node.args) + [None] * 7
-    if args[4]:
-        return "avg_pool2d with ceil_mode"
+    args = list(node.args) + [None] * 8
+    ceil_mode = args[4] if node.target is aten.avg_pool2d.default else args[5]
+    if ceil_mode:
+        return f"{node.target} with ceil_mode"
     return _batch_only(node)
