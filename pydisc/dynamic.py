@@ -55,7 +55,7 @@ class _State:
     flagged: dict = field(default_factory=dict)      # input ordinal (eager inputs: -1 - index) -> dims
     covered: set = field(default_factory=set)        # (ordinal, rank, dims >= 2) with a template
     templates: list = field(default_factory=list)
-    step_mode: dict = field(default_factory=dict)    # epoch -> True (symbolic) / False (concrete)
+    step_mode: dict = field(default_factory=dict)    # step id -> True (symbolic) / False (concrete)
     force_symbolic: bool = False                     # no template matched: record the next step
     misses: int = 0                                  # steps in a row that matched no template
     blocked: set = field(default_factory=set)        # (ordinal, dim) that guards pinned: static
@@ -82,11 +82,14 @@ def dims_of(ordinal: int, real: torch.Tensor) -> tuple:
     """Which dims of this step input are recorded symbolically (the recorder asks, per input)."""
     if not CONFIG.dynamic:
         return ()
-    dims = set(DYNAMIC.flagged.get(ordinal, ())) | set(getattr(real, "_pydisc_dynamic", ()))
+    marked = getattr(real, "_pydisc_dynamic", ())
+    if marked:      # remembered: a later step's changed sizes in these dims are nothing new
+        DYNAMIC.flagged.setdefault(ordinal, set()).update(marked)
+    dims = set(DYNAMIC.flagged.get(ordinal, ()))
     dims = {d for d in dims if (ordinal, d) not in DYNAMIC.blocked}
     if not dims:
         return ()
-    epoch = RECORDER.epoch
+    epoch = RECORDER.step_id
     mode = DYNAMIC.step_mode.get(epoch)
     if mode is None:
         # the step's first dynamic input decides: symbolic unless a template covers its sizes
@@ -172,6 +175,21 @@ def _value_refs(x) -> list:
     if isinstance(x, dict):
         return _value_refs(tuple(x.values()))
     return []
+
+
+_INT_MAX = (1 << 63) - 1
+
+
+def _is_full_slice(fn, args, kwargs, template: Template) -> bool:
+    if fn is not torch.ops.aten.slice.Tensor or kwargs or type(args[0]) is not ValueRef:
+        return False
+    dim, start, end, step = (list(args[1:]) + [0, None, None, 1][len(args) - 1:])[:4]
+    if start not in (0, None) or step != 1:
+        return False
+    if end is None or end == _INT_MAX:
+        return True
+    size = template.metas.get(args[0].vid, ((),))[0]
+    return type(end) is SymExpr and -len(size) <= dim < len(size) and size[dim] == end
 
 
 def _has_scalar(x) -> bool:
@@ -287,6 +305,13 @@ def _match(template: Template, trace: Trace, executed: list[int], outputs: tuple
         fn, args, kwargs, out_vids, kind = entries[i]
         how = template.deferrable[i]
         srcs = [r.vid for r in _value_refs((args, kwargs))]
+        if srcs and srcs[0] in vmap and (_is_full_slice(fn, args, kwargs, template) or
+                                         (fn is torch.ops.aten.clone.default and not kwargs)):
+            # Identities that only the symbolic recording has: `x[:, :T]` with T = x.size(1) (it
+            # cannot prove the slice is a no-op, C++ skips it when sizes are numbers), and the copy
+            # that `reshape` makes when it cannot prove a symbolic layout contiguous
+            assign(vmap, out_vids[0], vmap[srcs[0]])
+            return
         if how is not None and all(v in const for v in srcs):
             const.update(v for v in out_vids if v is not None)
         elif how != "view" or not srcs or not all(v in template.in_layouts or v in deferred for v in srcs):
@@ -350,12 +375,16 @@ def _match(template: Template, trace: Trace, executed: list[int], outputs: tuple
                         raise _NoMatch("outputs")
                 i += 1
                 break
-            except _NoMatch:
+            except _NoMatch as why:
+                first_reason = why
                 del checks[n_checks:]
                 for d, k in trail:
                     del d[k]
                 trail.clear()
-                _defer(i, e)
+                try:
+                    _defer(i, e)
+                except _NoMatch:
+                    raise _NoMatch("entry %d (%s): %s" % (i, fn, first_reason)) from None
                 i += 1
     while i < len(entries):
         _defer(i, None)
@@ -471,26 +500,16 @@ def changed_dims(old_shapes: list, new_shapes: list, trace: Trace) -> dict:
     return out
 
 
-def flag(changed: dict, ops: tuple) -> bool:
-    """Mark the changed dims dynamic. False when that cannot help (already dynamic and the template
-    budget is spent): the step is then planned for its own shapes."""
+def flag(changed: dict) -> bool:
+    """Mark the changed dims dynamic; True if any was not dynamic yet (and not pinned by a guard)."""
     new = False
-    open_dims = 0
     for ordinal, dims in changed.items():
         dims = {d for d in dims if (ordinal, d) not in DYNAMIC.blocked}
-        open_dims += len(dims)
         have = DYNAMIC.flagged.setdefault(ordinal, set())
         if not dims <= have:
             have.update(dims)
             new = True
-    if new:
-        return True
-    if not open_dims:
-        return False
-    if len(DYNAMIC.templates) < MAX_TEMPLATES:
-        DYNAMIC.force_symbolic = True     # dims already dynamic, no template matched: record another
-        return True
-    return False
+    return new
 
 
 def describe(changed: dict) -> str:

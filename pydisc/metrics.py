@@ -34,6 +34,8 @@ class Metrics:
     materialization_sources: Counter = field(default_factory=Counter)  # user source line -> reads
     collectives: Counter = field(default_factory=Counter)       # torch.distributed op -> runs (cuts)
     collective_seconds: float = 0.0   # time in those ops (waiting for the other ranks included)
+    plans_compiled: int = 0           # step graphs partitioned and compiled (static plans + templates)
+    lookup_seconds: float = 0.0       # finding the plan of each step (structural key + dict lookup)
     dynamic_templates: int = 0        # steps recorded with symbolic sizes and planned as templates
     dynamic_matches: int = 0          # new step structures served by a template (no compile)
     dynamic_eager_steps: int = 0      # steps run eagerly because an input dim changed size

@@ -34,6 +34,11 @@ def metrics_report(top: int = 10) -> str:
         lines.append("  collectives (cuts)   %d%s, %.2f s in them" % (total, per_step, m.collective_seconds))
         for op, count in m.collectives.most_common(top):
             lines.append("    %-40s %6d" % (op, count))
+    if m.dynamic_templates or m.dynamic_eager_steps:
+        lines.append("  dynamic shapes       %d templates, %d step structures matched to one, %d steps run "
+                     "eagerly while switching" % (m.dynamic_templates, m.dynamic_matches, m.dynamic_eager_steps))
+    lines.append("  step graphs compiled %d; plan lookup %.1f us/step" % (
+        m.plans_compiled, 1e6 * m.lookup_seconds / max(1, m.graph_cache_hits + m.graph_cache_misses)))
     if m.recompiles:
         lines.append("  recompiles           %d" % len(m.recompiles))
         for reason in m.recompiles[-3:]:

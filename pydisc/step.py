@@ -8,6 +8,7 @@ step's results exist, so a failure never leaves them half-updated.
 """
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import torch
@@ -111,13 +112,15 @@ def run_pending(target: LazyTensor | None = None, reason: str = "mark_step") -> 
     interrupt), the pending step is abandoned: lazy tensors keep the values of the last completed step,
     results of the abandoned one can no longer be read, and the next step starts clean."""
     with RECORDER.lock:
-        if not RECORDER.trace.entries:
-            return
         try:
-            _run(RECORDER.trace, target)
+            if RECORDER.trace.entries:
+                _run(RECORDER.trace, target)
         except BaseException:
             RECORDER.new_trace()
+            RECORDER.end_step()
             raise
+        if reason == "mark_step":
+            RECORDER.end_step()
 
 
 def _run(trace: Trace, target: LazyTensor | None) -> None:
@@ -137,6 +140,7 @@ def _run(trace: Trace, target: LazyTensor | None) -> None:
         plan, call_inputs, perm = _plan_symbolic(trace, executed, outputs, inputs, scalars, device)
         key = None
     else:
+        started = time.perf_counter()
         key = (
             tuple((t.numel(), t.dtype, t.device) for t in trace.storage_inputs),
             tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in trace.real_inputs),
@@ -146,6 +150,7 @@ def _run(trace: Trace, target: LazyTensor | None) -> None:
             outputs,
         )
         plan = _PLANS.get(key)
+        METRICS.lookup_seconds += time.perf_counter() - started
         if plan is None:
             plan = _plan_concrete(trace, key, executed, outputs, inputs, device, remaining)
             if plan is None:
@@ -210,35 +215,34 @@ def _plan_concrete(trace: Trace, key: tuple, executed: list[int], outputs: tuple
     seen, seen_shapes = _SEEN_OPS.get(ops, (None, None))
     shapes = list(RECORDER.input_shapes)
     program = program_from_trace(trace, executed, outputs)
-    if CONFIG.dynamic and dynamic.DYNAMIC.step_mode.get(RECORDER.epoch) is False and \
-            len(dynamic.DYNAMIC.templates) < dynamic.MAX_TEMPLATES:
-        # inputs with dynamic dims, recorded concretely, and no template fits (the first step of an
-        # optimizer creates its state, later ones do not): run eagerly rather than compile for these
-        # shapes; after two such steps in a row, record the next step as a new template
-        dynamic.DYNAMIC.misses += 1
-        dynamic.DYNAMIC.force_symbolic = dynamic.DYNAMIC.misses >= 2
-        reason = "a step with dynamic inputs matches no dynamic-shape plan; it runs eagerly%s" % (
-            " and the next one is recorded as a new template" if dynamic.DYNAMIC.force_symbolic else "")
+
+    def run_eagerly(reason: str) -> None:
         METRICS.recompiles.append(reason)
         log("recompiles", "%s", reason)
         _SEEN_OPS[ops] = (key, shapes)
         METRICS.steps += 1
         METRICS.dynamic_eager_steps += 1
         _bind(trace, outputs, program(*inputs), executed, remaining)
-        return None
+
+    if CONFIG.dynamic:
+        changed = dynamic.changed_dims(seen_shapes, shapes, trace) if seen is not None else {}
+        if changed and dynamic.flag(changed):
+            # the same ops as a step before, with other sizes: those dims are dynamic from now on
+            run_eagerly(dynamic.describe(changed) + "; this step runs eagerly and the next one records "
+                        "these dims as dynamic")
+            return None
+        if dynamic.DYNAMIC.step_mode.get(RECORDER.step_id) is False and \
+                len(dynamic.DYNAMIC.templates) < dynamic.MAX_TEMPLATES:
+            # inputs with dynamic dims, recorded concretely, and no template fits (the first step of
+            # an optimizer creates its state, later ones do not): run eagerly rather than compile for
+            # these shapes; after two such steps in a row, record the next step as a new template
+            dynamic.DYNAMIC.misses += 1
+            dynamic.DYNAMIC.force_symbolic = dynamic.DYNAMIC.misses >= 2
+            run_eagerly("a step with dynamic inputs matches no dynamic-shape plan; it runs eagerly%s" % (
+                " and the next one is recorded as a new template" if dynamic.DYNAMIC.force_symbolic else ""))
+            return None
     if seen is not None:
         # the same ops as a graph planned before: say what else changed
-        changed = dynamic.changed_dims(seen_shapes, shapes, trace) if CONFIG.dynamic else {}
-        if changed and dynamic.flag(changed, ops):
-            reason = dynamic.describe(changed) + \
-                "; this step runs eagerly and the next one records these dims as dynamic"
-            METRICS.recompiles.append(reason)
-            log("recompiles", "%s", reason)
-            _SEEN_OPS[ops] = (key, shapes)
-            METRICS.steps += 1
-            METRICS.dynamic_eager_steps += 1
-            _bind(trace, outputs, program(*inputs), executed, remaining)
-            return None
         reason = explain_recompile(seen, key, sources)
         if "eager input" in reason and CONFIG.dynamic:
             reason += " (an eager tensor has fixed sizes: pass it through pydisc.to_lazy() so that its " \
@@ -249,6 +253,7 @@ def _plan_concrete(trace: Trace, key: tuple, executed: list[int], outputs: tuple
     METRICS.graph_cache_misses += 1
     try:
         plan = build_plan(program, inputs, device, sources)
+        METRICS.plans_compiled += 1
     except KeyboardInterrupt:
         # Ctrl-C during a long compile: finish this step eagerly, so that everything it made
         # (optimizer state included) holds data, then stop as asked.
@@ -276,6 +281,7 @@ def _plan_symbolic(trace: Trace, executed: list[int], outputs: tuple, inputs: li
         METRICS.recompiles.append(reason)
         dynamic.DYNAMIC.covered.update(patterns)
         program = concrete_program(trace, executed, outputs)
+        METRICS.plans_compiled += 1
         return build_plan(program, inputs, device, sources), inputs, None
     fakes = _fake_inputs(trace, program, scalars)
     session.note_guards(None)
@@ -317,6 +323,7 @@ def _build_template(binding, device: torch.device) -> bool:
     template = binding.template
     METRICS.graph_cache_misses += 1
     template.plan = build_plan(template.program, template.fakes, device, template.sources)
+    METRICS.plans_compiled += 1
     template.guards = template.session.guards()
     template.fakes = None
     return dynamic.guards_hold(template, binding.sizes)

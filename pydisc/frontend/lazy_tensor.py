@@ -288,20 +288,29 @@ class Recorder:
         self.dims_of: Callable[[int, torch.Tensor], tuple] | None = None
         self.inputs_seen = 0
         self.input_shapes: list[tuple] = []    # shape of each step input, by ordinal
+        self.step_id = 0                       # mark_step count (a step may span several traces)
         self.symbolic: SymbolicStep | None = None
 
     def new_trace(self) -> Trace:
+        """A fresh pending trace. Within a step (after a read ran everything recorded so far) the
+        step's symbolic state carries over; `end_step` ends it."""
         if self.gc_paused:
             self.gc_paused = False
             gc.enable()
+        self.epoch += 1
+        self.trace = Trace(epoch=self.epoch)
+        self.trace.symbolic = self.symbolic
+        return self.trace
+
+    def end_step(self) -> None:
+        """At mark_step: the next ops belong to a new step (new inputs, maybe other sizes)."""
         if self.symbolic is not None:
             self.symbolic.exit()
             self.symbolic = None
+            self.trace.symbolic = None
         self.inputs_seen = 0
         self.input_shapes = []
-        self.epoch += 1
-        self.trace = Trace(epoch=self.epoch)
-        return self.trace
+        self.step_id += 1
 
     # ---- symbolic steps --------------------------------------------------------------------------
     def symbolic_input(self, real: torch.Tensor, storage: LazyStorage) -> LazyTensor | None:

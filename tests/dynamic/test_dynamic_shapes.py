@@ -177,3 +177,25 @@ def test_mark_dynamic_rejects_bad_input():
         pydisc.mark_dynamic(pydisc.to_lazy(torch.ones(3)), 0)
     with pytest.raises(IndexError, match="out of range"):
         pydisc.mark_dynamic(torch.ones(3, 4), 2)
+
+
+def test_reads_during_backward_of_a_symbolic_step():
+    """A value read while autograd runs (a gradient hook, DDP's reducer) flushes part of a symbolic
+    step; the rest of the step still records symbolically."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    ref = copy.deepcopy(model)
+    pydisc.lazy(model)
+    seen, ref_seen = [], []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.sum().item()))
+    for p in ref.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: ref_seen.append(p.grad.sum().item()))
+    for n in (8, 6, 8, 5, 9, 12):
+        x = torch.randn(n, 16)
+        model(x).square().sum().backward()
+        pydisc.mark_step()
+        ref(x).square().sum().backward()
+    torch.testing.assert_close(torch.tensor(seen), torch.tensor(ref_seen), rtol=1e-5, atol=1e-5)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad.cpu(), b.grad)

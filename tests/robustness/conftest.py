@@ -13,6 +13,7 @@ def _drain() -> None:
         pydisc.mark_step()
     except Exception:
         RECORDER.new_trace()     # a test that failed mid-step must not poison the next one
+        RECORDER.end_step()
 
 
 @pytest.fixture(autouse=True)
