@@ -306,6 +306,17 @@ def test_embedding_and_its_backward(compiles: list[str]) -> None:
     check_sizes(fn, variants[0], {0: (0, 1)}, variants, compiles)
 
 
+def test_gather_and_scatter(compiles: list[str]) -> None:
+    def fn(x: torch.Tensor, one: torch.Tensor, many: torch.Tensor) -> list[torch.Tensor]:
+        return [x.gather(1, one), x.gather(1, many), x.scatter(1, one, -1.0), x.scatter_add(1, one, x[:, :1] * 3),
+                x.scatter_add(1, many, torch.ones_like(many, dtype=x.dtype)), torch.zeros_like(x).scatter(1, many[:, :1], 2.0)]
+
+    def sample(n: int) -> list[torch.Tensor]:
+        return [torch.randn(n, 5), torch.randint(0, 5, (n, 1)), torch.randint(0, 5, (n, 3))]
+
+    check_sizes(fn, sample(4), {0: (0,), 1: (0,), 2: (0,)}, [sample(n) for n in (4, 2, 9)], compiles)
+
+
 def test_size_arithmetic_as_values(compiles: list[str]) -> None:
     """Sizes used as numbers: a mean's count, n / 4, n ** -0.5, integer products."""
 

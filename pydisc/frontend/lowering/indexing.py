@@ -205,10 +205,28 @@ def _updates(b: FunctionBuilder, src: Value | float, index: Value, dtype: torch.
     return b.convert(b.slice(src, [0] * src.rank, index.shape, [1] * src.rank), dtype)
 
 
+def _one_per_row(x: Value, dim: int, index: Value) -> bool:
+    """A dynamic scatter that writes one element per row along `dim` (nll_loss's backward): emitted as
+    a one-hot select instead, since IREE 3.13 fails on some fusions of a dynamic scatter ('stack
+    allocation size overflows')."""
+    return (not x.type.is_static and index.rank == x.rank and index.shape[dim] == 1
+            and all(same_size(index.shape[d], x.shape[d]) for d in range(x.rank) if d != dim))
+
+
+def _one_hot_scatter(b: FunctionBuilder, x: Value, dim: int, index: Value, updates: Value,
+                     combine: Callable[..., Value] | None) -> Value:
+    hit = b.compare("EQ", b.iota(x.shape, dim, torch.int64), b.broadcast_to(_wrap_negative(b, index, x.shape[dim]), x.shape))
+    spread = b.broadcast_to(updates, x.shape)
+    return b.select(hit, spread if combine is None else combine(b, x, spread), x)
+
+
 @lowering(aten.scatter.value, aten.scatter.src, dynamic=True)
 def _scatter_rule(ctx: LoweringContext, x: Value, dim: int, index: Value, src: Value | float) -> Value:
     if x.rank == 0:
         return ctx.builder.reshape(_updates(ctx.builder, src, ctx.builder.reshape(index, (1,)), x.dtype), ())
+    dim = normalize_dim(dim, x.rank)
+    if _one_per_row(x, dim, index):
+        return _one_hot_scatter(ctx.builder, x, dim, index, _updates(ctx.builder, src, index, x.dtype), None)
     return scatter(ctx.builder, x, dim, index, _updates(ctx.builder, src, index, x.dtype), None)
 
 
@@ -216,6 +234,9 @@ def _scatter_rule(ctx: LoweringContext, x: Value, dim: int, index: Value, src: V
 def _scatter_add(ctx: LoweringContext, x: Value, dim: int, index: Value, src: Value) -> Value:
     # bool + bool saturates to True in torch; i1 addition would wrap
     add = lambda b, u, v: b.binary("or" if x.dtype == torch.bool else "add", u, v)  # noqa: E731
+    dim = normalize_dim(dim, x.rank)
+    if _one_per_row(x, dim, index):
+        return _one_hot_scatter(ctx.builder, x, dim, index, _updates(ctx.builder, src, index, x.dtype), add)
     return scatter(ctx.builder, x, dim, index, _updates(ctx.builder, src, index, x.dtype), add)
 
 
