@@ -10,6 +10,17 @@ def pytest_configure(config: pytest.Config) -> None:
     _use_session_compile_cache()
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="no CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 # The on-disk compile cache (docs/cache.md) of a test run lives in a temp folder made for the session,
 # unless PYDISC_CACHE_DIR is already set: CI stays hermetic and never touches ~/.cache/pydisc, while
 # compiled modules are still shared by the tests (and the subprocesses they start) of one session.

@@ -54,9 +54,9 @@ class TinyLM(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits.view(B * T, -1), targets.view(B * T))
 
 
-def _train(sizes, *, mark=False, steps_check=None):
+def _train(sizes, *, mark=False, device="cpu"):
     torch.manual_seed(0)
-    model = TinyLM()
+    model = TinyLM().to(device)
     ref = copy.deepcopy(model)
     pydisc.lazy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -64,8 +64,8 @@ def _train(sizes, *, mark=False, steps_check=None):
     losses, ref_losses, compiles = [], [], []
     g = torch.Generator().manual_seed(1)
     for B, T in sizes:
-        idx = torch.randint(0, 11, (B, T), generator=g)
-        tgt = torch.randint(0, 11, (B, T), generator=g)
+        idx = torch.randint(0, 11, (B, T), generator=g).to(device)
+        tgt = torch.randint(0, 11, (B, T), generator=g).to(device)
         if mark:
             pydisc.mark_dynamic(idx, [0, 1])
             pydisc.mark_dynamic(tgt, [0, 1])
@@ -83,7 +83,7 @@ def _train(sizes, *, mark=False, steps_check=None):
         ref_losses.append(r.item())
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-5)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(p.cpu(), q.cpu(), rtol=1e-4, atol=1e-5, msg=name)
     m = pydisc.metrics()
     m["compiles_per_step"] = compiles
     return m
@@ -199,3 +199,12 @@ def test_reads_during_backward_of_a_symbolic_step():
     torch.testing.assert_close(torch.tensor(seen), torch.tensor(ref_seen), rtol=1e-5, atol=1e-5)
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a.grad.cpu(), b.grad)
+
+
+@pytest.mark.cuda
+def test_cuda_lengths_and_batches_marked_dynamic():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    sizes = [(3, 9), (2, 14), (4, 6), (3, 22), (2, 9), (5, 11), (2, 40), (7, 3)]
+    m = _train(sizes, mark=True, device="cuda")
+    assert m["dynamic_matches"] == len(sizes) - 4, m["recompiles"]
+    assert _built() == 1
