@@ -115,6 +115,8 @@ class Template:
     deferrable: list                 # per entry: "view" (a view op) | "pure" (writes nothing) | None
     patterns: list                   # (ordinal, rank, dims) covered
     session: object = None           # the SymbolicStep (its ShapeEnv holds the guards)
+    storage_types: tuple = ()        # (dtype, device) of each input storage
+    real_types: tuple = ()           # (shape, stride, dtype, device) of each eager input
     fakes: list | None = None        # fake inputs to plan with, until the plan is built
     sources: list | None = None
     steps: int = 0
@@ -164,7 +166,9 @@ def make_template(trace: Trace, program: Program, plan, executed: list[int]) -> 
         else:
             deferrable.append(None)
     patterns = [(ordinal, rank, made) for ordinal, (storage, made, rank) in session.conversions.items()]
-    return Template(program, plan, session.guards(), in_layouts, metas, deferrable, patterns, session)
+    return Template(program, plan, session.guards(), in_layouts, metas, deferrable, patterns, session,
+                    tuple((s.dtype, s.device) for s in trace.storage_inputs),
+                    tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in trace.real_inputs))
 
 
 def _value_refs(x) -> list:
@@ -233,6 +237,9 @@ def _match(template: Template, trace: Trace, executed: list[int], outputs: tuple
     prog = template.program
     if prog.n_storages != len(trace.storage_inputs) or prog.n_scalars != len(trace.scalars):
         raise _NoMatch("inputs")
+    for (dtype, device), s in zip(template.storage_types, trace.storage_inputs):
+        if s.dtype != dtype or s.device != device:
+            raise _NoMatch("input dtype or device")
     checks: list = []            # (SymExpr, concrete value)
     trail: list = []             # (dict, key) added while matching the current entry: undone on failure
     vmap: dict[int, int] = {}    # template vid -> concrete vid
@@ -459,6 +466,10 @@ def _match(template: Template, trace: Trace, executed: list[int], outputs: tuple
     used_reals = sorted(rmap)
     if used_reals != list(range(prog.n_reals)):
         raise _NoMatch("eager inputs")
+    for t_index, c_index in rmap.items():
+        t = trace.real_inputs[c_index]
+        if (tuple(t.shape), t.stride(), t.dtype, t.device) != template.real_types[t_index]:
+            raise _NoMatch("eager input %d changed" % c_index)
     inverse = {cv: tv for tv, cv in vmap.items()}
     t_out = {o: k for k, o in enumerate(prog.outputs)}
     perm = []

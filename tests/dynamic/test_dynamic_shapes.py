@@ -208,3 +208,16 @@ def test_cuda_lengths_and_batches_marked_dynamic():
     m = _train(sizes, mark=True, device="cuda")
     assert m["dynamic_matches"] == len(sizes) - 4, m["recompiles"]
     assert _built() == 1
+
+
+def test_a_template_never_serves_another_dtype(fresh):
+    """The same ops on float64 inputs must not run the float32 template."""
+    fresh.setattr(CONFIG, "dynamic", True)
+    for dtype in (torch.float32, torch.float64):
+        for n in (3, 5, 7, 9):
+            x = torch.randn(n, 4, dtype=dtype)
+            pydisc.mark_dynamic(x, 0)
+            y = (pydisc.to_lazy(x) * 2).exp().sum(0)
+            pydisc.mark_step()
+            assert y.dtype == dtype
+            torch.testing.assert_close(y.cpu(), (x * 2).exp().sum(0))
