@@ -38,7 +38,7 @@ def metrics_report(top: int = 10) -> str:
         lines.append("  dynamic shapes       %d templates, %d step structures matched to one, %d steps run "
                      "eagerly while switching" % (m.dynamic_templates, m.dynamic_matches, m.dynamic_eager_steps))
     lines.append("  step graphs compiled %d; plan lookup %.1f us/step" % (
-        m.plans_compiled, 1e6 * m.lookup_seconds / max(1, m.graph_cache_hits + m.graph_cache_misses)))
+        m.plans_compiled, 1e6 * m.lookup_seconds / max(1, m.steps)))
     if m.recompiles:
         lines.append("  recompiles           %d" % len(m.recompiles))
         for reason in m.recompiles[-3:]:

@@ -211,6 +211,10 @@ class FunctionBuilder(RuntimeSizes):
             zero = self.broadcast_in_dim(self._unfolded_always(self.constant(value, x.dtype)), x.shape, [])
         return self.binary("or" if x.dtype == torch.bool else "add", x, zero)
 
+    def optimization_barrier(self, x: Value) -> Value:
+        """`x` behind a barrier: IREE neither folds it into constants nor fuses across it."""
+        return self._unfolded_always(x)
+
     def _unfolded_always(self, x: Value) -> Value:
         out = self.fresh(x.type)
         self.line(f"{out.name} = stablehlo.optimization_barrier {x.name} : {x.type}")
@@ -264,6 +268,11 @@ class FunctionBuilder(RuntimeSizes):
         # expanding dims are dropped from the operand first: IREE 3.13 folds a reshape into the
         # broadcast and loses the expanding-dims attributes, which it then requires.
         expanding = [i for i, d in enumerate(dims) if x.shape[i] == 1 and spec.shape[d] != 1]
+        if not expanding and list(dims) == sorted(dims) and \
+                all(spec.shape[d] == 1 for d in range(spec.rank) if d not in dims):
+            # only inserts size-1 dims: a reshape. As a broadcast, IREE 3.13 folds the operand's own
+            # expand_shape into it and drops the expanding-dims attributes it then requires.
+            return self.reshape(x, spec.shape)
         if expanding:
             x = self.reshape(x, [d for i, d in enumerate(x.shape) if i not in expanding])
             dims = [d for i, d in enumerate(dims) if i not in expanding]
