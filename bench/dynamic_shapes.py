@@ -58,7 +58,11 @@ def run(mode: str, base: torch.nn.Module, data, device: torch.device, args) -> d
     torch.manual_seed(0)
     model = copy.deepcopy(base).to(device)
     compiled_fn = None
-    if mode == "pydisc":
+    lazy = mode.startswith("pydisc")
+    mark = args.mark or mode == "pydisc(mark_dynamic)"
+    if lazy:
+        from pydisc.step import clear_plans
+        clear_plans()
         pydisc.reset_metrics()
         pydisc.lazy(model, device=device)
     elif mode.startswith("torch.compile"):
@@ -74,10 +78,12 @@ def run(mode: str, base: torch.nn.Module, data, device: torch.device, args) -> d
     losses, seconds = [], []
     started = time.perf_counter()
     for ids, labels in data:
+        if args.budget and time.perf_counter() - started > args.budget:
+            break                  # out of time (torch.compile with a compile per shape): partial row
         t0 = time.perf_counter()
         ids, labels = ids.to(device), labels.to(device)
-        if mode == "pydisc":
-            if args.mark:
+        if lazy:
+            if mark:
                 pydisc.mark_dynamic(ids, [0, 1])
                 pydisc.mark_dynamic(labels, [0, 1])
             labels = pydisc.to_lazy(labels)
@@ -86,16 +92,16 @@ def run(mode: str, base: torch.nn.Module, data, device: torch.device, args) -> d
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if mode == "pydisc":
+        if lazy:
             pydisc.mark_step()
         losses.append(loss.item())
         seconds.append(time.perf_counter() - t0)
     if device.type == "cuda":
         torch.cuda.synchronize()
     total = time.perf_counter() - started
-    row = {"mode": mode, "total": total, "losses": losses,
+    row = {"mode": mode, "total": total, "losses": losses, "steps": len(losses), "seconds": seconds,
            "median_ms": 1e3 * statistics.median(seconds[len(seconds) // 5:])}
-    if mode == "pydisc":
+    if lazy:
         m = pydisc.metrics()
         row["compiles"] = m["plans_compiled"]
         row["extra"] = "%d templates, %d matched, %d eager steps, lookup %.0f us/step, %d fallback ops" % (
@@ -122,7 +128,10 @@ def main(argv=None) -> int:
     p.add_argument("--max-len", type=int, default=64)
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--mark", action="store_true", help="pydisc.mark_dynamic the inputs (default: automatic)")
-    p.add_argument("--modes", default="eager,pydisc,torch.compile(dynamic=True),torch.compile(dynamic=False)")
+    p.add_argument("--modes", default="eager,pydisc,pydisc(mark_dynamic),torch.compile(dynamic=True),"
+                                      "torch.compile(dynamic=False)")
+    p.add_argument("--budget", type=float, default=0.0,
+                   help="stop a mode after this many seconds (0: no limit); the row then says how far it got")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     data = batches(args.steps, args.min_len, args.max_len, args.max_batch)
@@ -148,8 +157,14 @@ def main(argv=None) -> int:
             n = min(20, len(r["losses"]))
             diff = "%.1e" % max(abs(a - b) / abs(b) for a, b in zip(r["losses"][:n], eager["losses"][:n]))
         ratio = "%.2fx" % (r["total"] / eager["total"]) if eager else ""
-        print("| %s | %.1f | %s | %d | %.1f | %s | %s |" % (r["mode"], r["total"], ratio, r["compiles"],
-                                                          r["median_ms"], diff, r["extra"]))
+        total = "%.1f" % r["total"]
+        if r["steps"] < len(data):
+            total += " (stopped after %d of %d steps)" % (r["steps"], len(data))
+            if eager is not None:
+                ratio = "%.2fx of eager's first %d steps" % (
+                    r["total"] / sum(eager["seconds"][:r["steps"]]), r["steps"])
+        print("| %s | %s | %s | %d | %.1f | %s | %s |" % (r["mode"], total, ratio, r["compiles"],
+                                                        r["median_ms"], diff, r["extra"]))
     return 0
 
 
