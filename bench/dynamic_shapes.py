@@ -87,7 +87,7 @@ def run(mode: str, base: torch.nn.Module, data, device: torch.device, args) -> d
                 pydisc.mark_dynamic(ids, [0, 1])
                 pydisc.mark_dynamic(labels, [0, 1])
             labels = pydisc.to_lazy(labels)
-        logits = (compiled_fn or model)(ids)
+        logits = (compiled_fn if compiled_fn is not None else model)(ids)
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE)
         loss.backward()
         opt.step()

@@ -2,13 +2,15 @@
 
 The model is examples/resnet.py's ResNet-18-style CNN, briefly trained eagerly on the 32x32 digits so
 that its BatchNorm running statistics and outputs are realistic; a lazy copy then serves batches of
-test images. Shapes are static in pydisc today: each batch size is planned and compiled once, on its
-first batch, and reused afterwards (the example checks this with the metrics). For each size it prints
+test images. The first batch size is compiled for its shape; when the batch size changes, pydisc makes
+the batch dim dynamic and compiles once more, and every later size reuses that executable (size 1 is
+specialised, as in torch.compile). The example checks with the metrics that no batch size costs more
+than one compile and that a second pass over the sizes compiles nothing. For each size it prints
 the first call (planning + compiling, or a compile-cache hit), the median latency of pydisc and eager
 over `--steps` calls, and the largest difference between their outputs.
 
 Exit status: 1 when outputs differ by more than 1e-4 (relative to the logits' scale), predictions
-differ, or a batch size seen before plans again.
+differ, or a batch size seen before compiles again.
 
     python examples/inference.py
     python examples/inference.py --batch-sizes 1 16 256 --steps 50 --device cuda
@@ -101,7 +103,7 @@ def main(argv=None) -> int:
     print("%6s  %12s  %12s  %12s  %12s  %10s  %8s" % ("batch", "first call", "pydisc ms", "eager ms",
                                                       "pydisc/img", "max |diff|", "agree"))
     for batch in args.batch_sizes:
-        plans_before = pydisc.metrics()["graph_cache_misses"]
+        plans_before = pydisc.metrics()["plans_compiled"]
         inputs = [test_x[torch.randint(0, len(test_y), (batch,), generator=g).to(device)] for _ in range(args.steps)]
         first, _ = timed(lambda: run_lazy(inputs[0]).cpu(), device)
         lazy_s, eager_s, worst, agree = [], [], 0.0, 0
@@ -114,7 +116,7 @@ def main(argv=None) -> int:
             out_e = out_e.cpu()
             worst = max(worst, ((out_l - out_e).abs().max() / out_e.abs().max().clamp_min(1e-6)).item())
             agree += int((out_l.argmax(1) == out_e.argmax(1)).all())
-        planned = pydisc.metrics()["graph_cache_misses"] - plans_before
+        planned = pydisc.metrics()["plans_compiled"] - plans_before
         lazy_ms, eager_ms = 1e3 * statistics.median(lazy_s), 1e3 * statistics.median(eager_s)
         print("%6d  %10.2f s  %12.3f  %12.3f  %12.4f  %10.2e  %4d/%-3d" % (
             batch, first, lazy_ms, eager_ms, lazy_ms / batch, worst, agree, len(inputs)))
@@ -122,19 +124,19 @@ def main(argv=None) -> int:
             failures.append("batch %d: outputs differ by %.2e relative" % (batch, worst))
         if agree != len(inputs):
             failures.append("batch %d: predictions differ in %d batches" % (batch, len(inputs) - agree))
-        if planned != 1:
-            failures.append("batch %d: planned %d times (expected once)" % (batch, planned))
+        if planned > 1:
+            failures.append("batch %d: compiled %d times (expected at most once)" % (batch, planned))
 
     # A second pass over the same sizes must reuse every plan. The batches are gathered copies, as above:
     # a slice such as test_x[:batch] is a view into the whole test set, and pydisc currently keys eager
     # inputs by their storage and offset, so each slice offset would plan again (a known bug).
-    plans_before = pydisc.metrics()["graph_cache_misses"]
+    plans_before = pydisc.metrics()["plans_compiled"]
     for batch in args.batch_sizes:
         run_lazy(test_x[torch.arange(batch, device=device)]).cpu()
-    replanned = pydisc.metrics()["graph_cache_misses"] - plans_before
-    print("second pass over batch sizes %s: %d new plans" % (args.batch_sizes, replanned))
+    replanned = pydisc.metrics()["plans_compiled"] - plans_before
+    print("second pass over batch sizes %s: %d new compiles" % (args.batch_sizes, replanned))
     if replanned:
-        failures.append("batch sizes seen before planned again (%d plans)" % replanned)
+        failures.append("batch sizes seen before compiled again (%d plans)" % replanned)
     print("check: %s" % ("FAIL" if failures else "ok"))
     print()
     print(pydisc.metrics_report())

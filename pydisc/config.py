@@ -27,6 +27,9 @@ class Config:
     shape_log: str = _env("PYDISC_SHAPE_LOG")             # append each compiled cluster (python -m pydisc.precompile)
     cache_max_mb: float = float(_env("PYDISC_CACHE_MAX_MB", "2048"))
     dynamic: bool = _env("PYDISC_DYNAMIC", "1") != "0"     # dynamic dims (0: one static plan per shape)
+    # on CUDA, matmuls and convolutions run in torch (cuBLAS/cuDNN, several times faster than IREE's
+    # code) between compiled clusters; "iree" keeps them inside the clusters
+    gpu_matmul: str = _env("PYDISC_GPU_MATMUL", "torch")
 
 
 CONFIG = Config()

@@ -211,6 +211,16 @@ def _has_scalar(x) -> bool:
 _SAME_OP = {torch.ops.aten._unsafe_view.default: torch.ops.aten.view.default}
 
 
+def _normalized(fn, args):
+    """A concrete entry spelled the way symbolic recording (with the Python dispatcher) spells it:
+    C++ batch_norm reaches the recorder as native_batch_norm, the Python one as its `_legit` forms."""
+    if fn is torch.ops.aten.native_batch_norm.default and len(args) == 8:
+        if args[5] is False:
+            return torch.ops.aten._native_batch_norm_legit_no_training.default, list(args[:5]) + list(args[6:])
+        return torch.ops.aten._native_batch_norm_legit.default, args
+    return fn, args
+
+
 def _has_real(x) -> bool:
     if type(x) is RealRef:
         return True
@@ -366,10 +376,11 @@ def _match(template: Template, trace: Trace, executed: list[int], outputs: tuple
             n_checks = len(checks)
             trail.clear()
             try:
-                if (fn is not e.fn and _SAME_OP.get(e.fn) is not fn) or len(args) != len(e.args) or \
+                e_fn, e_args = _normalized(e.fn, e.args)
+                if (fn is not e_fn and _SAME_OP.get(e_fn) is not fn) or len(args) != len(e_args) or \
                         kwargs.keys() != e.kwargs.keys():
                     raise _NoMatch("op")
-                for a, b in zip(args, e.args):
+                for a, b in zip(args, e_args):
                     same_arg(a, b)
                 for k in kwargs:
                     same_arg(kwargs[k], e.kwargs[k])

@@ -33,6 +33,7 @@ class StepPlan:
     eager_sources: dict = field(default_factory=dict)     # ATen op -> user source line
     eager_dtypes: dict = field(default_factory=dict)      # ATen op -> dtypes
     clusters: int = 0
+    library_ops: Counter = field(default_factory=Counter)  # ATen op -> runs in torch's libraries by choice
 
 
 class CompiledCluster(torch.nn.Module):
@@ -106,7 +107,10 @@ def _size_function(emitted, device: torch.device) -> Callable:
         if symbol not in names:
             position, dim = bindings.leaves[symbol]
             names[symbol] = "n%d" % len(names)
-            reads.append("    %s = inputs[%d].size(%d)" % (names[symbol], position, dim))
+            if dim is None:     # a size passed as an int (an `index` argument)
+                reads.append("    %s = inputs[%d]" % (names[symbol], position))
+            else:
+                reads.append("    %s = inputs[%d].size(%d)" % (names[symbol], position, dim))
         return names[symbol]
 
     def size(expr) -> str:
@@ -234,6 +238,9 @@ def plan_graph(gm: torch.fx.GraphModule, device: torch.device, sources: list[str
 
     def note_eager(node: torch.fx.Node) -> None:
         if is_host_scalar(node):  # arithmetic on sizes: not a fallback
+            return
+        if node.meta.get("pydisc_library"):   # a matmul left to cuBLAS on purpose
+            plan.library_ops[str(node.target)] += 1
             return
         op = str(node.target)
         plan.eager_ops[op] += 1

@@ -34,6 +34,9 @@ def metrics_report(top: int = 10) -> str:
         lines.append("  collectives (cuts)   %d%s, %.2f s in them" % (total, per_step, m.collective_seconds))
         for op, count in m.collectives.most_common(top):
             lines.append("    %-40s %6d" % (op, count))
+    if m.library_ops:
+        lines.append("  in cuBLAS/cuDNN      %d (%s; PYDISC_GPU_MATMUL=iree compiles them too)" % (
+            sum(m.library_ops.values()), ", ".join("%s x%d" % kv for kv in m.library_ops.most_common(4))))
     if m.dynamic_templates or m.dynamic_eager_steps:
         lines.append("  dynamic shapes       %d templates, %d step structures matched to one, %d steps run "
                      "eagerly while switching" % (m.dynamic_templates, m.dynamic_matches, m.dynamic_eager_steps))

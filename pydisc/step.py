@@ -8,6 +8,7 @@ step's results exist, so a failure never leaves them half-updated.
 """
 from __future__ import annotations
 
+import gc
 import time
 from collections import Counter
 
@@ -15,7 +16,8 @@ import torch
 
 from .config import CONFIG
 from .diagnostics import explain_recompile, log, warn_once
-from .frontend.lazy_tensor import RECORDER, LazyTensor, _flat_base, _layout, _view_of_base, set_executor
+from .frontend.lazy_tensor import (PRUNE_FIRST_AT, RECORDER, LazyTensor, _flat_base, _layout, _view_of_base,
+                                   set_executor)
 from . import dynamic
 from .dynamic import Binding
 from .frontend.replay import NotDynamic, Program, concrete_program, program_from_trace, symbolic_program
@@ -23,7 +25,7 @@ from .frontend.trace import LazyStorage, Trace
 from .metrics import METRICS
 from .plan import StepPlan, build_plan
 
-__all__ = ["run_pending", "clear_plans"]
+__all__ = ["run_pending", "prune_pending", "clear_plans"]
 
 
 _PLANS: dict[tuple, StepPlan] = {}
@@ -76,6 +78,52 @@ def _needed_entries(trace: Trace, storage: LazyStorage) -> list[int]:
         if not new_forced:
             return [i for i in range(n) if include[i]]
         forced |= new_forced
+
+
+def _observable_entries(trace: Trace) -> list[int]:
+    """Entries whose effect can still be seen, in program order: they make or write (directly or through
+    later entries) a storage that a live lazy tensor or an input of the step holds. The others made
+    only tensors that have died since, and running them would compute values nobody can read."""
+    roots = {id(s) for s in trace.input_storages}
+    for ref in trace.tensors.values():
+        t = ref()
+        if t is not None:
+            roots.add(id(t._storage))
+    needed = roots
+    keep = []
+    storages = trace.storages
+    for i in range(len(trace.entries) - 1, -1, -1):
+        e = trace.entries[i]
+        if any(id(s) in needed for s in e.writes) or \
+                any(v is not None and id(storages[v]) in needed for v in e.out_vids):
+            keep.append(i)
+            needed.update(id(s) for s in e.reads)
+    keep.reverse()
+    return keep
+
+
+def prune_pending() -> None:
+    """Drop the pending entries nobody can observe any more (`_observable_entries`): the trace is rebuilt
+    from the others (`Trace.compacted`), or started afresh if none is left, which releases whatever the
+    dropped ones held (eager tensors they captured, inputs of the step only they used).
+
+    The recorder calls this whenever a trace that is never marked has doubled in length, so that code
+    which records and drops lazy tensors in a loop without `mark_step` runs in bounded memory."""
+    with RECORDER.lock:
+        if RECORDER.gc_paused:
+            # a trace this long is no ordinary step: let the cyclic GC free what only cycles hold
+            # (so that those tensors count as dead here), and run as usual from now on
+            RECORDER.gc_paused = False
+            gc.enable()
+            gc.collect()
+        trace = RECORDER.trace
+        if trace.symbolic is None and trace.entries:
+            kept = _observable_entries(trace)
+            if not kept:
+                RECORDER.new_trace()
+            elif len(kept) < len(trace.entries):
+                RECORDER.trace = trace.compacted(kept)
+        RECORDER.prune_at = max(PRUNE_FIRST_AT, 2 * len(RECORDER.trace.entries))
 
 
 def _select_outputs(trace: Trace, executed: list[int], remaining: list[int]) -> tuple:
@@ -132,6 +180,10 @@ def _run(trace: Trace, target: LazyTensor | None) -> None:
     trace.check_real_inputs(executed)
     executed_set = set(executed)
     remaining = [i for i in range(n) if i not in executed_set]
+    if remaining:
+        # what a read leaves pending and nobody can observe any more is dropped, not kept to the mark
+        observable = set(_observable_entries(trace))
+        remaining = [i for i in remaining if i in observable]
     outputs = _select_outputs(trace, executed, remaining)
     device = _step_device(trace)
     scalars = torch.tensor(trace.scalars, dtype=torch.float32, device=device) if trace.scalars else None
@@ -141,15 +193,16 @@ def _run(trace: Trace, target: LazyTensor | None) -> None:
         key = None
     else:
         started = time.perf_counter()
-        key = (
-            tuple((t.numel(), t.dtype, t.device) for t in trace.storage_inputs),
-            tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in trace.real_inputs),
-            tuple(v for v in trace.values if v[0] == "in"),
-            tuple(trace.entries[i].sig for i in executed),
-            len(trace.scalars),
-            outputs,
-        )
+        key = _concrete_key(trace, executed, outputs)
         plan = _PLANS.get(key)
+        if plan is None and RECORDER.gc_paused and gc.collect(0):
+            # The cyclic GC is paused while a step records: a lazy tensor held only by a reference
+            # cycle (frames of an exception caught inside a meta kernel, a module imported by one)
+            # looks alive and would become an output of the new plan, and the next step, without
+            # it, would plan again. Collected here, before planning, rather than on every step.
+            outputs = _select_outputs(trace, executed, remaining)
+            key = _concrete_key(trace, executed, outputs)
+            plan = _PLANS.get(key)
         METRICS.lookup_seconds += time.perf_counter() - started
         if plan is None:
             plan = _plan_concrete(trace, key, executed, outputs, inputs, device, remaining)
@@ -192,7 +245,21 @@ def _run(trace: Trace, target: LazyTensor | None) -> None:
     METRICS.steps += 1
     for op, count in plan.eager_ops.items():
         METRICS.note_fallback(op, count, plan.eager_dtypes.get(op, ()), plan.eager_sources.get(op))
+    for op, count in plan.library_ops.items():
+        METRICS.library_ops[op] += count
     _bind(trace, outputs, results, executed, remaining)
+
+
+def _concrete_key(trace: Trace, executed: list[int], outputs: tuple) -> tuple:
+    """What a plan for the executed entries depends on: inputs' metadata, ops, constants, outputs."""
+    return (
+        tuple((t.numel(), t.dtype, t.device) for t in trace.storage_inputs),
+        tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in trace.real_inputs),
+        tuple(v for v in trace.values if v[0] == "in"),
+        tuple(trace.entries[i].sig for i in executed),
+        len(trace.scalars),
+        outputs,
+    )
 
 
 def _plan_concrete(trace: Trace, key: tuple, executed: list[int], outputs: tuple, inputs: list,
@@ -415,3 +482,4 @@ def _bind(trace: Trace, outputs: tuple, results: list[torch.Tensor], executed: l
 
 
 set_executor(lambda t, reason: run_pending(t, reason))
+RECORDER.pruner = prune_pending

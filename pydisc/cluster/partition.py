@@ -5,6 +5,10 @@ a node is a candidate when the lowering registry can emit it (a pure predicate f
 its tensors live on the step's device; the cost policy then drops clusters that would not pay for an
 executable call (nothing but reshapes and getitems).
 
+torch.fx's partitioner keeps, for every node, the set of all nodes downstream of it: quadratic time and
+memory (a 5,000-op step spent 32 s there, and 20,000 ops would need gigabytes). Graphs above
+`FX_PARTITIONER_MAX_NODES` nodes are proposed by `_propose_by_level` instead, in linear time.
+
 In a graph with symbolic sizes, nodes that compute a size (`aten.sym_size.int`, `operator.mul` on
 SymInts) join the clusters that use them like any supported op, but cost nothing (the emitter computes
 them from tensor dims) and are not fallbacks where they stay outside: they are host integer arithmetic.
@@ -17,9 +21,18 @@ from typing import Callable
 
 import torch
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner, Partition as FxPartition
+from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 from torch.fx.passes.operator_support import OperatorSupportBase
 
-__all__ = ["Partition", "is_host_scalar", "partition_graph"]
+from ..config import CONFIG
+
+__all__ = ["FX_PARTITIONER_MAX_NODES", "MAX_CLUSTER_NODES", "Partition", "is_host_scalar", "partition_graph"]
+
+FX_PARTITIONER_MAX_NODES = 2000
+# iree-compile's time per op grows with the size of the module (llvm-cpu, a chain of small matmuls and
+# elementwise ops: 3.7 ms/op at 2,000 ops, 4.6 at 5,000, 12.9 at 20,000), and a 20,000-op module
+# failed to load: larger clusters are compiled in pieces of this many nodes.
+MAX_CLUSTER_NODES = 2000
 
 aten = torch.ops.aten
 # Ops that move no data: a cluster made only of these is not worth an executable call.
@@ -27,6 +40,13 @@ _FREE_OPS = {operator.getitem, aten.view.default, aten._unsafe_view.default, ate
              aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default,
              aten.alias.default, aten.detach.default, aten.expand.default, aten.permute.default,
              aten.t.default, aten.transpose.int, aten.select.int, aten.slice.Tensor}
+
+
+# Ops that torch's libraries run several times faster than IREE's CUDA code (cuBLAS matmuls at
+# 715-794 TFLOP/s against IREE's 104-137 in bf16, ../shared/device/README.md): on a GPU they stay
+# between the clusters, which fuse the memory-bound ops around them.
+LIBRARY_OPS = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default,
+               aten.convolution.default, aten.convolution_backward.default}
 
 
 @dataclass
@@ -46,6 +66,9 @@ class _Support(OperatorSupportBase):
 
     def is_node_supported(self, submodules, node: torch.fx.Node) -> bool:
         if node.op != "call_function":
+            return False
+        if self.device.type == "cuda" and node.target in LIBRARY_OPS and CONFIG.gpu_matmul != "iree":
+            node.meta["pydisc_library"] = True   # cuBLAS/cuDNN through torch: by choice, not a fallback
             return False
         reason = self.reason_of(node)
         if reason is not None and is_host_scalar(node):
@@ -90,20 +113,66 @@ def _op_name(node: torch.fx.Node) -> str:
 
 
 def _chunks(partition, max_ops: int, order: dict) -> list:
-    """Split a partition into pieces of at most `max_ops` nodes along the graph's topological order.
+    """Split a partition into pieces of about `max_ops` nodes along the graph's topological order.
     Each piece stays convex: a path from a later piece back into an earlier one would need an edge
-    against the order."""
+    against the order. A piece never ends between a multi-output node and its getitems (a cluster
+    input must be a tensor, not a tuple)."""
     nodes = sorted(partition.nodes, key=order.__getitem__)
-    return [FxPartition(nodes=nodes[i:i + max_ops]) for i in range(0, len(nodes), max_ops)]
+    pieces, start = [], 0
+    while start < len(nodes):
+        end = min(start + max_ops, len(nodes))
+        while end < len(nodes) and nodes[end].target is operator.getitem:
+            end += 1
+        pieces.append(FxPartition(nodes=nodes[start:end]))
+        start = end
+    return pieces
+
+
+def _propose_by_level(gm: torch.fx.GraphModule, support: _Support) -> list[FxPartition]:
+    """Clusters in linear time: a node's level is the number of eager nodes on the longest path that
+    reaches it, and the supported nodes of one level form one cluster.
+
+    Along every edge the level never decreases, and it grows past each eager node, so a path that
+    leaves a cluster through an eager node cannot come back to it: every cluster is convex, as the
+    fusion requires. A supported node whose users are all supported then moves up to the lowest level
+    among its users (its own level is never above theirs, so the order still holds): it joins the
+    cluster that consumes it rather than becoming an output of an earlier one. Like torch.fx's
+    partitioner, independent nodes of one level are fused horizontally, and the getitems of an eager
+    node stay eager."""
+    nodes = list(gm.graph.nodes)
+    supported: dict[torch.fx.Node, bool] = {}
+    level: dict[torch.fx.Node, int] = {}
+    for node in nodes:
+        if node.op == "call_function" and node.target is operator.getitem:
+            source = node.args[0]
+            ok = supported.get(source, False) and support.is_node_supported({}, node)
+        else:
+            ok = support.is_node_supported({}, node)
+        supported[node] = ok
+        value = 0
+        for source in node.all_input_nodes:
+            lifted = level[source] + (0 if supported[source] or source.op in ("placeholder", "get_attr") else 1)
+            value = max(value, lifted)
+        level[node] = value
+    groups: dict[int, list[torch.fx.Node]] = {}
+    for node in reversed(nodes):
+        if not supported[node]:
+            continue
+        if node.users and all(supported[user] for user in node.users):
+            level[node] = min(level[user] for user in node.users)
+        groups.setdefault(level[node], []).append(node)
+    return [FxPartition(id=k, nodes=reversed(group)) for k, (_, group) in enumerate(sorted(groups.items()))]
 
 
 def partition_graph(gm: torch.fx.GraphModule, device: torch.device,
                     reason_of: Callable[[torch.fx.Node], str | None],
-                    min_ops: int = 1, max_ops: int | None = None) -> Partition:
+                    min_ops: int = 1, max_ops: int | None = MAX_CLUSTER_NODES) -> Partition:
     reasons: dict[str, str] = {}
-    partitioner = CapabilityBasedPartitioner(gm, _Support(device, reason_of, reasons),
-                                             allows_single_node_partition=True)
-    proposed = partitioner.propose_partitions()
+    support = _Support(device, reason_of, reasons)
+    if len(gm.graph.nodes) > FX_PARTITIONER_MAX_NODES:
+        proposed = _propose_by_level(gm, support)
+    else:
+        proposed = CapabilityBasedPartitioner(gm, support, allows_single_node_partition=True).propose_partitions()
     kept = []
     for p in proposed:
         compute = [n for n in p.nodes if n.target not in _FREE_OPS and not is_host_scalar(n)]
@@ -114,7 +183,7 @@ def partition_graph(gm: torch.fx.GraphModule, device: torch.device,
         kept = [piece for p in kept for piece in _chunks(p, max_ops, order)]
         for i, p in enumerate(kept):
             p.id = i
-    fused = partitioner.fuse_partitions(kept)
+    fused = fuse_by_partitions(gm, [p.nodes for p in kept], prefix="fused_")
     clusters = [n.target for n in fused.graph.nodes if n.op == "call_module"]
     eager = [str(n.target) for n in fused.graph.nodes
              if n.op == "call_function" and n.target is not operator.getitem and not is_host_scalar(n)]

@@ -92,6 +92,9 @@ class CompiledModule:
         args = ireert.VmVariantList(len(inputs) + len(outputs))
         out_ptrs = {o.untyped_storage().data_ptr() for o in outputs if o.numel()}
         for t in inputs:
+            if type(t) is int:          # an `index` argument (a dynamic size)
+                args.push_int(t)
+                continue
             # is_dense inlined (hot path); for a dense input data_ptr is its storage's base pointer.
             if not (t.is_contiguous() and t.storage_offset() == 0 and (ptr := t.data_ptr()) % ALIGNMENT == 0) or (
                 ptr in out_ptrs and t.numel()

@@ -365,8 +365,8 @@ def test_size_inputs_are_dropped_and_size_outputs_computed_on_the_host(compiles:
     assert METRICS.numerics_checks == checks + 3 and len(METRICS.numerics_mismatches) == mismatches
 
 
-def test_unbound_symbol_is_a_lowering_error_and_runs_eagerly() -> None:
-    """A size that no tensor input of the cluster carries cannot be computed in the function."""
+def test_size_no_tensor_carries_is_an_index_argument(compiles: list[str]) -> None:
+    """A size that no tensor input of the cluster carries (here `n`) is passed as an `index` argument."""
     (x,), mode = fake_inputs([torch.randn(5, 4)], {0: (0,)})
     env = mode.shape_env
     n = env.create_symintnode(env.create_symbol(6, LocalSource("n")), hint=6, source=LocalSource("n"))
@@ -378,12 +378,24 @@ def test_unbound_symbol_is_a_lowering_error_and_runs_eagerly() -> None:
         filled.meta["val"] = torch.full((n, 4), 2.0)
     graph.output([filled])
     gm = torch.fx.GraphModule(torch.nn.Module(), graph)
-    with pytest.raises(LoweringError, match="no tensor input"):
-        emit_cluster(gm)
-    plan = plan_graph(gm, CPU, [], 0)  # warns (once per process) that the cluster runs eagerly
-    assert plan.clusters == 0
-    (out,) = plan.runner(torch.randn(3, 4), 6)
-    assert out.shape == (6, 4)
+    assert "index" in emit_cluster(gm).text
+    plan = plan_graph(gm, CPU, [], 0)
+    assert plan.clusters == 1 and not plan.eager_ops
+    for rows in (6, 3, 11):
+        (out,) = _flat(plan.runner(torch.randn(3, 4), rows))
+        torch.testing.assert_close(out, torch.full((rows, 4), 2.0))
+    assert len(compiles) == 1
+
+
+def test_product_of_sizes_viewed_apart(compiles: list[str]) -> None:
+    """A cluster input of (s0*s1, 8) rows, made by an eager op, viewed back as (s0, s1, 8): s0 and s1
+    reach the cluster as size inputs."""
+    def fn(x):
+        flat = torch.sort(x.reshape(-1, 8), dim=-1).values    # sort stays eager with dynamic dims
+        return (flat.view(x.shape[0], x.shape[1], 8) * 2).sum(1)
+    check_sizes(fn, [torch.randn(3, 5, 8)], {0: (0, 1)},
+                [[torch.randn(3, 5, 8)], [torch.randn(2, 7, 8)], [torch.randn(6, 2, 8)]], compiles,
+                eager=["aten.sort.default", "aten.view.default"])   # a lone view is not worth a cluster
 
 
 def test_rules_without_dynamic_support_are_unsupported_not_failures() -> None:

@@ -49,6 +49,11 @@ class RuntimeSizes:
         for dim, size in enumerate(value.shape):
             self._bindings.add(size, position, dim)
 
+    def bind_index_argument(self, position: int, name: str, size: Size) -> None:
+        """Function argument `name` (input `position`) is an `index` equal to `size` at run time."""
+        self._arguments[position] = name
+        self._bindings.add(size, position, None)
+
     @property
     def size_bindings(self) -> SizeBindings:
         return self._bindings
@@ -66,9 +71,12 @@ class RuntimeSizes:
             if resolved in self._bindings.leaves:
                 position, dim = self._bindings.leaves[resolved]
                 argument = self._arguments[position]
-                dim_index = self.index(dim)
-                name = self._fresh_name()
-                self.line(f"{name} = tensor.dim {argument.name}, {dim_index} : {argument.type}")
+                if dim is None:      # an `index` argument
+                    name = argument
+                else:
+                    dim_index = self.index(dim)
+                    name = self._fresh_name()
+                    self.line(f"{name} = tensor.dim {argument.name}, {dim_index} : {argument.type}")
             else:
                 name = self._index_expression(resolved)
         self._sizes[size] = name
