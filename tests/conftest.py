@@ -5,20 +5,29 @@ import tempfile
 import pytest
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--long", action="store_true", default=False,
+                     help="also run the long tests (marked `long`: minutes each); PYDISC_LONG=1 does the same")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU; skipped when none is available")
+    config.addinivalue_line("markers", "long: a long run (minutes), opt-in with --long or PYDISC_LONG=1")
     _use_session_compile_cache()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
     import torch
 
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="no CUDA GPU")
+    skips = {}
+    if not torch.cuda.is_available():
+        skips["cuda"] = pytest.mark.skip(reason="no CUDA GPU")
+    if not (config.getoption("--long") or os.environ.get("PYDISC_LONG") == "1"):
+        skips["long"] = pytest.mark.skip(reason="long run: opt-in with --long or PYDISC_LONG=1")
     for item in items:
-        if "cuda" in item.keywords:
-            item.add_marker(skip)
+        for marker, skip in skips.items():
+            if item.get_closest_marker(marker) is not None:
+                item.add_marker(skip)
 
 
 # The on-disk compile cache (docs/cache.md) of a test run lives in a temp folder made for the session,

@@ -252,6 +252,7 @@ _EAGER_OPS = {
     aten.view.dtype, aten.set_.source_Storage_storage_offset, aten.set_.source_Tensor,
     aten.resize_.default, aten.as_strided_.default, aten._has_compatible_shallow_copy_type.default,
 }
+PRUNE_FIRST_AT = 10_000   # entries of a never-marked trace before the dead ones are first dropped
 _OPINFO: dict[int, OpInfo] = {}    # id(OpOverload) -> facts; overloads live as long as the process
 
 
@@ -290,6 +291,10 @@ class Recorder:
         self.input_shapes: list[tuple] = []    # shape of each step input, by ordinal
         self.step_id = 0                       # mark_step count (a step may span several traces)
         self.symbolic: SymbolicStep | None = None
+        # A trace that is never marked: every time it doubles, `pruner` (installed by pydisc/step.py)
+        # drops the entries whose tensors have all died.
+        self.pruner: Callable[[], None] | None = None
+        self.prune_at = PRUNE_FIRST_AT
 
     def new_trace(self) -> Trace:
         """A fresh pending trace. Within a step (after a read ran everything recorded so far) the
@@ -298,6 +303,7 @@ class Recorder:
             self.gc_paused = False
             gc.enable()
         self.epoch += 1
+        self.prune_at = PRUNE_FIRST_AT
         self.trace = Trace(epoch=self.epoch)
         self.trace.symbolic = self.symbolic
         return self.trace
@@ -678,6 +684,8 @@ class Recorder:
                                    tuple(reads), tuple(writes), tuple(sig),
                                    user_source(3) if self.capture_sources else None))
         METRICS.recorded_ops += 1
+        if len(trace.entries) >= self.prune_at and self.pruner is not None:
+            self.pruner()
         if self.gc_paused and len(trace.entries) > 50_000:   # a step that is never marked: collect again
             self.gc_paused = False
             gc.enable()

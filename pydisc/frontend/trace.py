@@ -116,6 +116,90 @@ class Trace:
             outputs,
         )
 
+    def compacted(self, kept: list[int]) -> "Trace":
+        """A trace of only the entries `kept` (indices, in order), renumbered as if only they had been
+        recorded: values, storage inputs, eager inputs and lifted scalars that nothing kept refers to
+        are gone, so that whatever they held is released. Live lazy tensors of this trace get their
+        new value ids. For concrete traces (not symbolic ones)."""
+        new = Trace(epoch=self.epoch)
+        vids: dict[int, int] = {}
+        storage_index: dict[int, int] = {}
+        real_index: dict[int, int] = {}
+        scalar_index: dict[int, int] = {}
+
+        def value(vid: int) -> int:
+            if vid not in vids:
+                kind = self.values[vid]
+                if kind[0] == "in":
+                    old = kind[1]
+                    if old not in storage_index:
+                        storage_index[old] = len(new.storage_inputs)
+                        storage = self.input_storages[old]
+                        storage.input_index = storage_index[old]
+                        new.storage_inputs.append(self.storage_inputs[old])
+                        new.input_storages.append(storage)
+                        new.storage_versions.append(self.storage_versions[old])
+                    kind = ("in", storage_index[old], kind[2])
+                vids[vid] = new.new_value(kind, self.storages[vid], self.metas[vid])
+            return vids[vid]
+
+        def real(index: int) -> int:
+            if index not in real_index:
+                real_index[index] = len(new.real_inputs)
+                t = self.real_inputs[index]
+                new.real_index[id(t)] = real_index[index]
+                new.real_inputs.append(t)
+                new.real_versions.append(self.real_versions[index])
+            return real_index[index]
+
+        def arg(a):
+            t = type(a)
+            if t is ValueRef:
+                return ValueRef(value(a.vid))
+            if t is RealRef:
+                return RealRef(real(a.index))
+            if t is ScalarRef:
+                if a.index not in scalar_index:
+                    scalar_index[a.index] = len(new.scalars)
+                    new.scalars.append(self.scalars[a.index])
+                return ScalarRef(scalar_index[a.index])
+            if t is list:
+                return [arg(x) for x in a]
+            return a
+
+        def sig_part(part):
+            if type(part) is tuple and len(part) == 2 and part[0] == "v":
+                return ("v", value(part[1]))
+            if type(part) is tuple and len(part) == 2 and part[0] == "r":
+                return ("r", real(part[1]))
+            return part
+
+        for i in kept:
+            e = self.entries[i]
+            args = [arg(a) for a in e.args]
+            kwargs = {k: arg(v) for k, v in e.kwargs.items()}
+            sig = tuple(sig_part(p) for p in e.sig)
+            out_vids = []
+            for vid in e.out_vids:
+                if vid is not None and vid not in vids:
+                    storage = self.storages[vid]
+                    vids[vid] = new.new_value(("out", len(new.entries)), storage, self.metas[vid])
+                    if storage.creator == vid:
+                        storage.creator = vids[vid]
+                out_vids.append(None if vid is None else vids[vid])
+            new.entries.append(Entry(e.fn, args, kwargs, tuple(out_vids), e.out_kind, e.reads, e.writes,
+                                     sig, e.source))
+        for vid, ref in self.tensors.items():
+            t = ref()
+            if t is not None:
+                t._vid = value(vid)
+                new.tensors[t._vid] = ref
+        kept_storages = {id(s) for s in new.input_storages}
+        for storage in self.input_storages:
+            if id(storage) not in kept_storages:
+                storage.input_index = -1     # an input again if a live view of it is used later
+        return new
+
     def add_real_input(self, t: torch.Tensor) -> RealRef:
         index = self.real_index.get(id(t))
         if index is None:

@@ -20,7 +20,6 @@ import pydisc.step as pstep
 from pydisc.frontend.lazy_tensor import RECORDER
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-LONG = os.environ.get("PYDISC_LONG_TESTS") == "1"
 
 
 def lz(t: torch.Tensor):
@@ -382,14 +381,13 @@ def test_chain_longer_than_the_recursion_limit():
     _chain(n)
 
 
-@pytest.mark.skipif(not LONG, reason="slow (minutes: compile time grows faster than linearly with the "
-                                     "chain length); set PYDISC_LONG_TESTS=1")
+@pytest.mark.long
 def test_chain_of_20000_ops_in_one_step():
     elapsed = _chain(20000)
     print("20000-op step: mark_step took %.1f s" % elapsed)
 
 
-@pytest.mark.skipif(not LONG, reason="slow; set PYDISC_LONG_TESTS=1")
+@pytest.mark.long
 def test_chain_of_20000_ops_eager_fallback_path(monkeypatch):
     # the record -> functionalize -> replay path without IREE (PYDISC_DISABLE)
     monkeypatch.setattr(pstep.CONFIG, "disable", True)

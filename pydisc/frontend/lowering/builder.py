@@ -211,9 +211,12 @@ class FunctionBuilder(RuntimeSizes):
             zero = self.broadcast_in_dim(self._unfolded_always(self.constant(value, x.dtype)), x.shape, [])
         return self.binary("or" if x.dtype == torch.bool else "add", x, zero)
 
-    def optimization_barrier(self, x: Value) -> Value:
-        """`x` behind a barrier: IREE neither folds it into constants nor fuses across it."""
-        return self._unfolded_always(x)
+    def optimization_barrier(self, *xs: Value) -> tuple[Value, ...]:
+        """`xs` behind one barrier: IREE neither folds them into constants nor fuses across it."""
+        outs = [self.fresh(x.type) for x in xs]
+        self.line(f"{', '.join(o.name for o in outs)} = stablehlo.optimization_barrier "
+                  f"{', '.join(x.name for x in xs)} : {', '.join(str(x.type) for x in xs)}")
+        return tuple(outs)
 
     def _unfolded_always(self, x: Value) -> Value:
         out = self.fresh(x.type)
