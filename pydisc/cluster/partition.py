@@ -30,8 +30,9 @@ __all__ = ["FX_PARTITIONER_MAX_NODES", "MAX_CLUSTER_NODES", "Partition", "is_hos
 
 FX_PARTITIONER_MAX_NODES = 2000
 # iree-compile's time per op grows with the size of the module (llvm-cpu, a chain of small matmuls and
-# elementwise ops: 3.7 ms/op at 2,000 ops, 4.6 at 5,000, 12.9 at 20,000), and a 20,000-op module
-# failed to load: larger clusters are compiled in pieces of this many nodes.
+# elementwise ops: 3.7 ms/op at 2,000 ops, 4.6 at 5,000, 12.9 at 20,000), and IREE's VM refused to load
+# the module of a 20,000-op cluster ("register count overflow"): larger clusters are compiled in pieces
+# of this many nodes.
 MAX_CLUSTER_NODES = 2000
 
 aten = torch.ops.aten

@@ -389,8 +389,10 @@ def test_chain_of_20000_ops_in_one_step():
 
 @pytest.mark.long
 def test_chain_of_20000_ops_eager_fallback_path(monkeypatch):
-    # the record -> functionalize -> replay path without IREE (PYDISC_DISABLE)
+    # the record -> functionalize -> replay path without IREE (PYDISC_DISABLE); without the plans of
+    # other tests, which would serve the same chain compiled
     monkeypatch.setattr(pstep.CONFIG, "disable", True)
+    monkeypatch.setattr(pstep, "_PLANS", {})
     elapsed = _chain(20000)
     print("20000-op step (PYDISC_DISABLE): mark_step took %.1f s" % elapsed)
 
