@@ -25,7 +25,7 @@ import torch
 from .. import metrics as _metrics
 from ..config import CONFIG
 from .source import user_source
-from .symbolic import SymArg, SymbolicStep, hint, is_symbolic
+from .symbolic import SymArg, SymbolicStep, hint
 from .trace import Entry, LazyStorage, Trace, ValueRef
 
 __all__ = ["StrictModeError", "LazyTensor", "is_lazy", "to_lazy", "materialize", "current_trace", "set_executor", "Recorder",

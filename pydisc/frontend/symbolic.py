@@ -174,7 +174,6 @@ class SymbolicStep:
         self.fake_mode = FakeTensorMode(shape_env=self.shape_env, allow_non_fake_inputs=True)
         self.sources: dict[sympy.Symbol, tuple] = {}     # symbol -> ("conv", ordinal, dim) | ("real", index, dim)
         self.conversions: dict[int, tuple] = {}          # ordinal -> dims made symbolic
-        self.real_dims: dict[int, tuple] = {}            # eager input index -> dims made symbolic
         self.real_fakes: dict[int, torch.Tensor] = {}     # id(eager tensor) -> its fake
         self._mode = _FactoryMode(record_factory)
         self._contexts: list = []
