@@ -1,0 +1,171 @@
+"""The partitioner: clusters are convex and the fused graph computes what the original did, with
+torch.fx's partitioner (small graphs) and with the linear-time one for very large graphs; large
+clusters are cut into pieces of at most MAX_CLUSTER_NODES nodes."""
+from __future__ import annotations
+
+import operator
+import random
+import time
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from pydisc.cluster import partition as partition_module
+from pydisc.cluster import partition_graph
+
+aten = torch.ops.aten
+CPU = torch.device("cpu")
+
+
+def _graph(fn, *inputs) -> torch.fx.GraphModule:
+    return make_fx(fn, tracing_mode="fake")(*inputs)
+
+
+def _eager_ops(*targets):
+    names = {str(t) for t in targets}
+
+    def reason_of(node: torch.fx.Node) -> str | None:
+        if node.op == "call_function" and str(node.target) in names:
+            return "runs eagerly in this test"
+        return None
+    return reason_of
+
+
+def _random_program(seed: int, n_ops: int):
+    """A random DAG of unary/binary elementwise ops over three inputs; returns fn(a, b, c)."""
+    rng = random.Random(seed)
+    unary = [torch.sin, torch.exp, torch.tanh, torch.neg, torch.cos]
+    binary = [torch.add, torch.mul, torch.sub, torch.maximum]
+    plan = []
+    for k in range(n_ops):
+        if rng.random() < 0.5:
+            plan.append(("u", rng.randrange(len(unary)), rng.randrange(3 + k)))
+        else:
+            plan.append(("b", rng.randrange(len(binary)), rng.randrange(3 + k), rng.randrange(3 + k)))
+    outputs = sorted(rng.sample(range(3, 3 + n_ops), min(4, n_ops)))
+
+    def fn(a, b, c):
+        values = [a, b, c]
+        for step in plan:
+            if step[0] == "u":
+                values.append(unary[step[1]](values[step[2]]) * 0.5)
+            else:
+                values.append(binary[step[1]](values[step[2]], values[step[3]]).clamp(-3, 3))
+        return [values[i] for i in outputs]
+    return fn
+
+
+@pytest.mark.parametrize("proposer", ["fx", "levels"])
+@pytest.mark.parametrize("seed", range(12))
+def test_random_graphs_partition_into_convex_clusters_that_compute_the_same(seed, proposer, monkeypatch):
+    if proposer == "levels":
+        monkeypatch.setattr(partition_module, "FX_PARTITIONER_MAX_NODES", 0)
+    fn = _random_program(seed, 40)
+    inputs = [torch.randn(5) for _ in range(3)]
+    gm = _graph(fn, *inputs)
+    want = gm(*inputs)
+    eager = random.Random(seed).sample([aten.sin.default, aten.exp.default, aten.tanh.default,
+                                        aten.mul.Tensor, aten.maximum.default, aten.clamp.default], 2)
+    # fuse_by_partitions raises on a cluster that is not convex (a path out of it and back in)
+    part = partition_graph(gm, CPU, _eager_ops(*eager), max_ops=None)
+    got = part.graph_module(*inputs)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    outside = [n for n in part.graph_module.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
+    assert all(str(n.target) in {str(e) for e in eager} for n in outside)
+
+
+def test_levels_cluster_a_diamond_around_an_eager_op_like_fx(monkeypatch):
+    def fn(x):
+        a = x.exp() + 1
+        b = a.sin()          # eager
+        c = a * 2            # independent of b: joins a's cluster
+        return b.tanh() + c  # after b: a second cluster
+
+    x = torch.randn(6)
+    counts = {}
+    for proposer, limit in (("fx", 10_000), ("levels", 0)):
+        monkeypatch.setattr(partition_module, "FX_PARTITIONER_MAX_NODES", limit)
+        gm = _graph(fn, x)
+        part = partition_graph(gm, CPU, _eager_ops(aten.sin.default), max_ops=None)
+        torch.testing.assert_close(part.graph_module(x), fn(x))
+        counts[proposer] = len(part.clusters)
+    assert counts == {"fx": 2, "levels": 2}
+
+
+def test_getitems_of_an_eager_multi_output_op_stay_eager(monkeypatch):
+    monkeypatch.setattr(partition_module, "FX_PARTITIONER_MAX_NODES", 0)
+
+    def fn(x):
+        var, mean = torch.var_mean(x.exp(), dim=0)
+        return var.tanh() + mean
+
+    x = torch.randn(4, 3)
+    gm = _graph(fn, x)
+    part = partition_graph(gm, CPU, _eager_ops(aten.var_mean.correction), max_ops=None)
+    torch.testing.assert_close(part.graph_module(x), fn(x))
+    getitems = [n for n in part.graph_module.graph.nodes if n.target is operator.getitem]
+    assert any(n.args[0].target is aten.var_mean.correction for n in getitems)
+
+
+def _chain(n: int):
+    def fn(x):
+        for k in range(n):
+            x = x.sin() if k % 2 else x * 1.5
+        return x
+    return fn
+
+
+def _chain_graph(n: int) -> torch.fx.GraphModule:
+    """The graph of `_chain(n)`, built directly (make_fx takes a minute for 10,000 ops)."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    for k in range(n):
+        x = graph.call_function(aten.sin.default, (x,)) if k % 2 else graph.call_function(aten.mul.Tensor, (x, 1.5))
+    graph.output(x)
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_a_large_graph_partitions_in_linear_time():
+    x = torch.randn(3)
+    timings = {}
+    for n in (2500, 10_000):
+        gm = _chain_graph(n)
+        started = time.perf_counter()
+        part = partition_graph(gm, CPU, _eager_ops(), max_ops=None)
+        timings[n] = time.perf_counter() - started
+        assert len(part.clusters) == 1
+    # torch.fx's proposer is quadratic (and keeps every node's downstream set: 10,000 nodes would hold
+    # 50 million set entries); four times the nodes must not cost sixteen times the time
+    assert timings[10_000] < 8 * timings[2500] + 1.0, timings
+
+
+def test_large_clusters_are_cut_in_pieces_along_the_order():
+    x = torch.randn(3)
+    fn = _chain(5000)
+    gm = _chain_graph(5000)
+    part = partition_graph(gm, CPU, _eager_ops())     # max_ops: MAX_CLUSTER_NODES
+    sizes = [sum(1 for n in getattr(part.graph_module, name).graph.nodes if n.op == "call_function")
+             for name in part.clusters]
+    assert len(sizes) == 3 and max(sizes) <= partition_module.MAX_CLUSTER_NODES, sizes
+    torch.testing.assert_close(part.graph_module(x), fn(x))
+
+
+def test_a_piece_never_ends_between_a_node_and_its_getitems():
+    def fn(x):
+        for _ in range(4):
+            var, mean = torch.var_mean(x, dim=0, keepdim=True)
+            x = (x - mean) * var
+        return x
+
+    x = torch.randn(4, 3)
+    gm = _graph(fn, x)
+    for max_ops in range(1, 8):
+        part = partition_graph(gm, CPU, _eager_ops(), max_ops=max_ops)
+        for name in part.clusters:
+            sub = getattr(part.graph_module, name)
+            for node in sub.graph.nodes:
+                if node.op == "placeholder":
+                    assert isinstance(node.meta.get("val"), torch.Tensor), (max_ops, name, node)
+        torch.testing.assert_close(part.graph_module(x), fn(x))
