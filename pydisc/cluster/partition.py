@@ -6,7 +6,7 @@ its tensors live on the step's device; the cost policy then drops clusters that 
 executable call (nothing but reshapes and getitems).
 
 torch.fx's partitioner keeps, for every node, the set of all nodes downstream of it: quadratic time and
-memory (a 5,000-op step spent 32 s there, and 20,000 ops would need gigabytes). Graphs above
+memory (a 5,000-op step spent 17 s there, and 20,000 ops would need gigabytes). Graphs above
 `FX_PARTITIONER_MAX_NODES` nodes are proposed by `_propose_by_level` instead, in linear time.
 
 In a graph with symbolic sizes, nodes that compute a size (`aten.sym_size.int`, `operator.mul` on
