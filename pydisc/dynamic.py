@@ -52,7 +52,7 @@ def mark_dynamic(t: torch.Tensor, dim: int | list[int] | tuple[int, ...]) -> tor
 
 @dataclass
 class _State:
-    flagged: dict = field(default_factory=dict)      # input ordinal (eager inputs: -1 - index) -> dims
+    flagged: dict = field(default_factory=dict)      # step input ordinal -> dims
     covered: set = field(default_factory=set)        # (ordinal, rank, dims >= 2) with a template
     templates: list = field(default_factory=list)
     step_mode: dict = field(default_factory=dict)    # step id -> True (symbolic) / False (concrete)
@@ -148,7 +148,7 @@ def _as_meta(x):
     return x
 
 
-def make_template(trace: Trace, program: Program, plan, executed: list[int]) -> Template:
+def make_template(trace: Trace, program: Program, plan) -> Template:
     session = trace.symbolic
     in_layouts = {vid: (index, layout) for vid, index, layout in program.inputs}
     metas = {}
@@ -159,8 +159,8 @@ def make_template(trace: Trace, program: Program, plan, executed: list[int]) -> 
             metas[vid] = (tuple(map(_as_meta, size)), tuple(map(_as_meta, stride)), _as_meta(offset))
     deferrable = []
     for fn, args, kwargs, out_vids, kind in program.entries:
-        if isinstance(fn, torch._ops.OpOverload) and not _has_real((args, kwargs)) and \
-                not _has_scalar((args, kwargs)):
+        if isinstance(fn, torch._ops.OpOverload) and not _refs((args, kwargs), RealRef) and \
+                not _refs((args, kwargs), ScalarRef):
             info = _opinfo(fn)
             deferrable.append(None if info.written_args else "view" if info.is_view else "pure")
         else:
@@ -171,13 +171,14 @@ def make_template(trace: Trace, program: Program, plan, executed: list[int]) -> 
                     tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in trace.real_inputs))
 
 
-def _value_refs(x) -> list:
-    if type(x) is ValueRef:
+def _refs(x, kind=ValueRef) -> list:
+    """The `kind` references (ValueRef, RealRef, ScalarRef) in an entry's arguments, nested or not."""
+    if type(x) is kind:
         return [x]
     if isinstance(x, (list, tuple)):
-        return [r for a in x for r in _value_refs(a)]
+        return [r for a in x for r in _refs(a, kind)]
     if isinstance(x, dict):
-        return _value_refs(tuple(x.values()))
+        return _refs(tuple(x.values()), kind)
     return []
 
 
@@ -196,16 +197,6 @@ def _is_full_slice(fn, args, kwargs, template: Template) -> bool:
     return type(end) is SymExpr and -len(size) <= dim < len(size) and size[dim] == end
 
 
-def _has_scalar(x) -> bool:
-    if type(x) is ScalarRef:
-        return True
-    if isinstance(x, (list, tuple)):
-        return any(_has_scalar(a) for a in x)
-    if isinstance(x, dict):
-        return _has_scalar(tuple(x.values()))
-    return False
-
-
 # ops that the concrete and the symbolic recordings spell differently (C++ matmul folds its result
 # with _unsafe_view, the Python decomposition that symbolic recording runs uses view)
 _SAME_OP = {torch.ops.aten._unsafe_view.default: torch.ops.aten.view.default}
@@ -219,16 +210,6 @@ def _normalized(fn, args):
             return torch.ops.aten._native_batch_norm_legit_no_training.default, list(args[:5]) + list(args[6:])
         return torch.ops.aten._native_batch_norm_legit.default, args
     return fn, args
-
-
-def _has_real(x) -> bool:
-    if type(x) is RealRef:
-        return True
-    if isinstance(x, (list, tuple)):
-        return any(_has_real(a) for a in x)
-    if isinstance(x, dict):
-        return _has_real(tuple(x.values()))
-    return False
 
 
 class _NoMatch(Exception):
@@ -306,7 +287,7 @@ def _match(template: Template, trace: Trace, executed: list[int], outputs: tuple
 
     def _root_storage(tv: int):
         entry = prog.entries[deferred[tv]]
-        refs = _value_refs((entry[1], entry[2]))
+        refs = _refs((entry[1], entry[2]))
         if not refs:
             return None
         src = refs[0].vid
@@ -321,7 +302,7 @@ def _match(template: Template, trace: Trace, executed: list[int], outputs: tuple
         data at once, or an op on sizes alone (`torch.ones(T, T).tril()`) that it ran eagerly."""
         fn, args, kwargs, out_vids, kind = entries[i]
         how = template.deferrable[i]
-        srcs = [r.vid for r in _value_refs((args, kwargs))]
+        srcs = [r.vid for r in _refs((args, kwargs))]
         if srcs and srcs[0] in vmap and (_is_full_slice(fn, args, kwargs, template) or
                                          (fn is torch.ops.aten.clone.default and not kwargs)):
             # Identities that only the symbolic recording has: `x[:, :T]` with T = x.size(1) (it
@@ -537,7 +518,6 @@ def flag(changed: dict) -> bool:
 def describe(changed: dict) -> str:
     parts = []
     for ordinal, dims in sorted(changed.items()):
-        what = "step input #%d" % ordinal if ordinal >= 0 else "eager tensor #%d" % (-1 - ordinal)
         for d, (a, b) in sorted(dims.items()):
-            parts.append("%s dim %d changed %d -> %d" % (what, d, a, b))
+            parts.append("step input #%d dim %d changed %d -> %d" % (ordinal, d, a, b))
     return "; ".join(parts)

@@ -368,7 +368,7 @@ def _plan_symbolic(trace: Trace, executed: list[int], outputs: tuple, inputs: li
                   "model" % "; ".join(parts))
         warn_once("pinned:" + reason[:120], "pydisc: " + reason)
         METRICS.recompiles.append(reason)
-    template = dynamic.make_template(trace, program, None, executed)
+    template = dynamic.make_template(trace, program, None)
     template.fakes, template.sources = fakes, sources
     dynamic.DYNAMIC.templates.append(template)
     dynamic.DYNAMIC.covered.update(patterns)

@@ -97,8 +97,9 @@ class LazyTensor(torch.Tensor):
         t._epoch = -1
         t._fake = None      # fake tensor of a symbolic step (`frontend/symbolic.py`)
         t._fake_sid = 0     # ... and which step it belongs to
-        if any(type(x) is not int for x in size) or any(type(x) is not int for x in stride) \
-                or type(offset) is not int or type(storage.nbytes) is not int:
+        if RECORDER.symbolic is not None and (  # only a symbolic step makes symbolic sizes
+                any(type(x) is not int for x in size) or any(type(x) is not int for x in stride)
+                or type(offset) is not int or type(storage.nbytes) is not int):
             # sizes of a symbolic step: keep this step's concrete layout for everything concrete
             t._concrete = (tuple(map(hint, size)), tuple(map(hint, stride)), hint(offset))
             t._mk = t._concrete + (dtype, hint(storage.nbytes))
