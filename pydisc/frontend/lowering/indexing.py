@@ -184,6 +184,12 @@ def scatter(
         f"#stablehlo.scatter<update_window_dims = [], inserted_window_dims = {_dims(range(rank))}, "
         f"scatter_dims_to_operand_dims = {_dims(range(rank))}, index_vector_dim = {rank}>"
     )
+    return _scatter_op(b, x, coords, updates, numbers, combine)
+
+
+def _scatter_op(b: FunctionBuilder, x: Value, coords: Value, updates: Value, numbers: str,
+                combine: Callable[..., Value] | None) -> Value:
+    """`stablehlo.scatter` into a copy of `x`: `combine(b, current, update)`, or overwrite when None."""
     scalar = TensorSpec((), x.dtype)
 
     def body(current: Value, update: Value) -> list[Value]:
@@ -283,20 +289,9 @@ def _index_put(ctx: LoweringContext, x: Value, indices: Sequence[Value], values:
         f"#stablehlo.scatter<update_window_dims = {_dims(window)}, inserted_window_dims = {_dims(range(count))}, "
         f"scatter_dims_to_operand_dims = {_dims(range(count))}, index_vector_dim = {len(batch)}>"
     )
-    scalar = TensorSpec((), x.dtype)
-
-    def body(current: Value, update: Value) -> list[Value]:
-        if not accumulate:
-            return [update]
-        return [b.binary("or" if x.dtype == torch.bool else "add", current, update)]
-
-    return b.op(
-        "stablehlo.scatter",
-        [b.fresh_copy(x), coords, updates],
-        x.type,
-        {"scatter_dimension_numbers": numbers, "indices_are_sorted": "false", "unique_indices": "false"},
-        regions=[b.block([scalar, scalar], body)],
-    )  # type: ignore[return-value]
+    add = "or" if x.dtype == torch.bool else "add"
+    return _scatter_op(b, x, coords, updates, numbers,
+                       (lambda bb, current, update: bb.binary(add, current, update)) if accumulate else None)
 
 
 @support_check(aten.index_put.default)
