@@ -26,7 +26,7 @@ from .. import metrics as _metrics
 from ..config import CONFIG
 from .source import user_source
 from .symbolic import SymArg, SymbolicStep, hint
-from .trace import Entry, LazyStorage, Trace, ValueRef
+from .trace import VALUE_REFS, VALUE_SIGS, Entry, LazyStorage, Trace, ValueRef, out_kind
 
 __all__ = ["StrictModeError", "LazyTensor", "is_lazy", "to_lazy", "materialize", "current_trace", "set_executor", "Recorder",
            "LiftedScalar", "RECORDER"]
@@ -78,34 +78,51 @@ def _contiguous_strides(size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+_LAYOUT_IDS: dict[tuple, int] = {}
+
+
+def _layout_id(size: tuple, stride: tuple, offset: int, dtype: torch.dtype, nbytes: int, device) -> int:
+    """A small int per distinct (size, stride, offset, dtype, storage bytes, device): a lazy tensor's
+    part of the meta-cache key, cheaper to hash and compare than the tuple, made once per tensor (and
+    once per op and input layouts for recorded outputs, which take it from the op's recipe)."""
+    key = (size, stride, offset, dtype, nbytes, device)
+    lid = _LAYOUT_IDS.get(key)
+    if lid is None:
+        lid = _LAYOUT_IDS[key] = len(_LAYOUT_IDS)
+    return lid
+
+
 class LazyTensor(torch.Tensor):
     """A tensor whose value is either device data (`_real`) or a value of the pending trace."""
 
     _storage: LazyStorage
-    _real: torch.Tensor | None
-    _vid: int
-    _epoch: int
+    _mk: int                # layout id (`_layout_id`) of this step's concrete layout
+    # Defaults, set on the instance only where they differ (recorded outputs set the fewest attributes).
+    _real: torch.Tensor | None = None
+    _vid: int = -1
+    _epoch: int = -1
+    _fake = None            # fake tensor of a symbolic step (`frontend/symbolic.py`)
+    _fake_sid: int = 0      # ... and which step it belongs to
+    _concrete: tuple | None = None   # this step's concrete (size, stride, offset) when sizes are symbolic
 
     @staticmethod
     def __new__(cls, size, stride, offset, dtype, device, storage: LazyStorage, real=None, requires_grad=False):
-        t = torch.Tensor._make_wrapper_subclass(
-            cls, size, strides=stride, storage_offset=offset, dtype=dtype, device=device,
-            requires_grad=requires_grad)
+        t = _make_wrapper(cls, size, strides=stride, storage_offset=offset, dtype=dtype, device=device,
+                          requires_grad=requires_grad)
         t._storage = storage
-        t._real = real
-        t._vid = -1
-        t._epoch = -1
-        t._fake = None      # fake tensor of a symbolic step (`frontend/symbolic.py`)
-        t._fake_sid = 0     # ... and which step it belongs to
+        if real is not None:
+            t._real = real
         if RECORDER.symbolic is not None and (  # only a symbolic step makes symbolic sizes
                 any(type(x) is not int for x in size) or any(type(x) is not int for x in stride)
                 or type(offset) is not int or type(storage.nbytes) is not int):
             # sizes of a symbolic step: keep this step's concrete layout for everything concrete
-            t._concrete = (tuple(map(hint, size)), tuple(map(hint, stride)), hint(offset))
-            t._mk = t._concrete + (dtype, hint(storage.nbytes))
+            t._concrete = concrete = (tuple(map(hint, size)), tuple(map(hint, stride)), hint(offset))
+            t._mk = _layout_id(*concrete, dtype, hint(storage.nbytes), t.device)
         else:
-            t._concrete = None
-            t._mk = (tuple(size), tuple(stride), offset, dtype, storage.nbytes)   # meta-cache key part
+            nbytes = storage.nbytes       # symbolic in a storage made by an earlier symbolic step
+            t._mk = _layout_id(tuple(size), tuple(stride), offset, dtype,
+                               nbytes if type(nbytes) is int else hint(nbytes), t.device)
         return t
 
     @classmethod
@@ -423,16 +440,19 @@ class Recorder:
                 # the cyclic GC scan them (and the whole heap) as they pile up costs more than recording.
                 gc.disable()
                 self.gc_paused = True
-            if self.symbolic is not None and len(self.symbolic.shape_env.guards) != self.symbolic.guards_seen:
-                self.symbolic.note_guards(user_source(3))
-            info = _opinfo(func)
+            symbolic = self.symbolic
+            if symbolic is not None and len(symbolic.shape_env.guards) != symbolic.guards_seen:
+                symbolic.note_guards(user_source(3))
+            info = _OPINFO.get(id(func))
+            if info is None:
+                info = _opinfo(func)
             if info.rewrite is not None:
                 result = info.rewrite(func, args, kwargs)
                 if result is not NotImplemented:
                     return result
             if info.needs_eager:
                 return self.run_eager(func, args, kwargs, info, fallback=func not in _READ_OPS)
-            if self.writes_eager_tensor(args, kwargs, info):
+            if info.written_args and self.writes_eager_tensor(args, kwargs, info):
                 return self.run_eager(func, args, kwargs, info, fallback=False)
             if info.is_view and not info.written_args and self.all_clean(args) and \
                     (self.symbolic is None or not _symbolic_args(args, kwargs)):
@@ -508,15 +528,22 @@ class Recorder:
         return wrap(out, plans[0] if plans else None)
 
     # ---- recording -------------------------------------------------------------------------------
+    # Recording an op costs a few microseconds: the op's output metadata, the layouts of its outputs
+    # and where they live are computed once per meta-cache key (`Recipe`), and the common arguments
+    # (lazy tensors, ints, None) are encoded inline; everything else goes through `encode`.
+
     def encode(self, a, sig: list, reads: list):
         t = type(a)
         if t is LazyTensor:
             vid = a._vid if a._epoch == self.trace.epoch else self.ref(a).vid
-            sig.append(("v", vid))
+            sig.append(VALUE_SIGS[vid])
             reads.append(a._storage)
-            return ValueRef(vid)
+            return VALUE_REFS[vid]
         if t is float:
-            sig.append(("f", a))   # a constant: floats that vary per step are lifted by a rewrite
+            sig.append(_float_part(a))   # a constant: floats that vary per step are lifted by a rewrite
+            return a
+        if t is bool:
+            sig.append(_TRUE if a else _FALSE)
             return a
         if t is list or t is tuple or t is torch.Size:
             sig.append(("list", len(a)))
@@ -538,11 +565,23 @@ class Recorder:
         sig.append(a)
         return a
 
-    def meta_key(self, func, args, kwargs):
-        key = (id(func), tuple(map(_key_part, args)))
+    def meta_key(self, func, args, kwargs) -> tuple:
+        """What an op's output metadata depends on: the op, its inputs' layouts, its constants."""
+        key = [id(func)]
+        for a in args:
+            t = type(a)
+            if t is LazyTensor:
+                key.append(a._mk)
+            elif t is int or a is None:
+                key.append(a)
+            else:
+                key.append(_key_part(a))
         if kwargs:
-            key += tuple((k, _key_part(v)) for k, v in kwargs.items())
-        return key
+            key.append(_KWARGS)
+            for k, v in kwargs.items():
+                key.append(k)
+                key.append(_key_part(v))
+        return tuple(key)
 
     def compute_meta(self, func, args, kwargs):
         def to_meta(a):
@@ -599,39 +638,46 @@ class Recorder:
         return (kind, descs), fakes
 
     def record(self, func, args, kwargs, info: OpInfo):
-        fakes = None
         if self.symbolic is not None and _symbolic_args(args, kwargs):
             try:
-                meta, fakes = self.compute_fake(func, args, kwargs)
+                (kind, descs), fakes = self.compute_fake(func, args, kwargs)
             except Exception:
                 return self.run_eager(func, args, kwargs, info, fallback=True)
-            return self._record(func, args, kwargs, info, meta, fakes)
+            recipe = Recipe(info, args, kwargs, kind, descs)   # symbolic sizes: not cached
+            if recipe.reinterprets:
+                return self.run_eager(func, args, kwargs, info, fallback=True)
+            return self._record(func, args, kwargs, info, recipe, fakes)
         key = self.meta_key(func, args, kwargs)
-        meta = self.meta_cache.get(key)
-        if meta is None:
+        recipe = self.meta_cache.get(key)
+        if recipe is None:
             try:
-                meta = self.compute_meta(func, args, kwargs)
+                kind, descs = self.compute_meta(func, args, kwargs)
             except Exception:
                 # no meta kernel, or an output whose shape depends on data: run it eagerly
                 return self.run_eager(func, args, kwargs, info, fallback=True)
-            self.meta_cache[key] = meta
-        return self._record(func, args, kwargs, info, meta, None)
+            recipe = self.meta_cache[key] = Recipe(info, args, kwargs, kind, descs)
+        if recipe.reinterprets:
+            return self.run_eager(func, args, kwargs, info, fallback=True)
+        return self._record(func, args, kwargs, info, recipe, None)
 
-    def _record(self, func, args, kwargs, info: OpInfo, meta, fakes):
-        kind, descs = meta
-        if info.is_view:
-            for j, d in enumerate(descs):
-                plan = info.returns[min(j, len(info.returns) - 1)] if info.returns else None
-                if d is not None and plan is not None and plan[0] == "view" and \
-                        d[3] != _arg(args, kwargs, plan[1], plan[2]).dtype:
-                    # a view that reinterprets the bytes (view(dtype), view_as_real): storages here
-                    # hold one dtype, so the view is taken of the device data, as an eager op
-                    return self.run_eager(func, args, kwargs, info, fallback=True)
-        device = _device_of(args, kwargs)
+    def _record(self, func, args, kwargs, info: OpInfo, recipe: Recipe, fakes):
         trace = self.trace
+        epoch = trace.epoch
         sig: list = [info.name]
         reads: list = []
-        enc_args = [self.encode(a, sig, reads) for a in args]
+        enc_args = []
+        for a in args:
+            t = type(a)
+            if t is LazyTensor:
+                vid = a._vid if a._epoch == epoch else self.ref(a).vid
+                sig.append(VALUE_SIGS[vid])
+                reads.append(a._storage)
+                enc_args.append(VALUE_REFS[vid])
+            elif t is int or a is None:
+                sig.append(a)
+                enc_args.append(a)
+            else:
+                enc_args.append(self.encode(a, sig, reads))
         enc_kwargs = {}
         for k, v in kwargs.items():
             sig.append(k)
@@ -646,42 +692,50 @@ class Recorder:
         entry_index = len(trace.entries)
         outs = []
         out_vids = []
-        plans = info.returns
-        for j, d in enumerate(descs):
-            if d is None:
+        device = recipe.device
+        tensors = trace.tensors
+        for j, out in enumerate(recipe.outputs):
+            if out is None:
                 outs.append(None)
                 out_vids.append(None)
                 continue
-            plan = plans[j] if j < len(plans) else (plans[0] if plans else None)
-            size, stride, offset, dtype, nbytes = d
-            if plan is not None and plan[0] == "write":
-                src = _arg(args, kwargs, plan[1], plan[2])
+            source, size, stride, offset, dtype, nbytes, meta, layout_id = out
+            if source is not None and source[0] == "write":
+                src = _arg(args, kwargs, source[1], source[2])
                 outs.append(src)
                 out_vids.append(src._vid)
                 continue
-            if plan is not None:
-                src = _arg(args, kwargs, plan[1], plan[2])
-                storage = src._storage
+            if source is not None:
+                storage = _arg(args, kwargs, source[1], source[2])._storage
             else:
                 storage = LazyStorage(nbytes)
-                storage.epoch = trace.epoch
-            t = LazyTensor(size, stride, offset, dtype, device, storage)
-            if fakes is not None:
-                t._fake = fakes[j]
-                t._fake_sid = self.symbolic.id
-                vid = trace.new_value(("out", entry_index), storage, t._concrete + (dtype,)
-                                      if t._concrete is not None else d[:4])
-                trace.sym_metas[vid] = d[:4]
+                storage.epoch = epoch
+            if fakes is None and layout_id is not None:
+                # LazyTensor.__new__ without its checks: the recipe holds the layout and its id
+                t = _make_wrapper(LazyTensor, size, strides=stride, storage_offset=offset, dtype=dtype,
+                                  device=device) if offset else \
+                    _make_wrapper(LazyTensor, size, strides=stride, dtype=dtype, device=device)
+                t._storage = storage
+                t._mk = layout_id
+                vid = trace.new_value(out_kind(entry_index), storage, meta)
             else:
-                vid = trace.new_value(("out", entry_index), storage, d[:4])
-            if plan is None:
+                t = LazyTensor(size, stride, offset, dtype, device, storage)
+                if fakes is not None:
+                    t._fake = fakes[j]
+                    t._fake_sid = self.symbolic.id
+                    vid = trace.new_value(out_kind(entry_index), storage, t._concrete + (dtype,)
+                                          if t._concrete is not None else meta)
+                    trace.sym_metas[vid] = meta
+                else:
+                    vid = trace.new_value(out_kind(entry_index), storage, meta)
+            if source is None:
                 storage.creator = vid
             t._vid = vid
-            t._epoch = trace.epoch
-            trace.tensors[vid] = weakref.ref(t)
+            t._epoch = epoch
+            tensors[vid] = weakref.ref(t)
             outs.append(t)
             out_vids.append(vid)
-        trace.entries.append(Entry(func, enc_args, enc_kwargs, tuple(out_vids), kind,
+        trace.entries.append(Entry(func, enc_args, enc_kwargs, tuple(out_vids), recipe.kind,
                                    tuple(reads), tuple(writes), tuple(sig),
                                    user_source(3) if self.capture_sources else None))
         METRICS.recorded_ops += 1
@@ -690,9 +744,52 @@ class Recorder:
         if self.gc_paused and len(trace.entries) > 50_000:   # a step that is never marked: collect again
             self.gc_paused = False
             gc.enable()
-        if kind is None:
+        if recipe.kind is None:
             return outs[0]
-        return kind(outs)
+        return recipe.kind(outs)
+
+
+class Recipe:
+    """How to record an op for one meta-cache key (op, input layouts, constants), worked out once:
+    the output container, per output where its storage comes from and its layout, and the device."""
+
+    __slots__ = ("kind", "outputs", "device", "reinterprets")
+
+    def __init__(self, info: OpInfo, args, kwargs, kind, descs) -> None:
+        self.kind = kind
+        self.device = device = _device_of(args, kwargs)
+        self.reinterprets = False
+        plans = info.returns
+        outputs = []
+        for j, d in enumerate(descs):
+            if d is None:
+                outputs.append(None)
+                continue
+            plan = plans[j] if j < len(plans) else (plans[0] if plans else None)
+            size, stride, offset, dtype, nbytes = d
+            if plan is not None and plan[0] == "view":
+                src = _arg(args, kwargs, plan[1], plan[2])
+                if dtype != src.dtype:
+                    # a view that reinterprets the bytes (view(dtype), view_as_real): storages here
+                    # hold one dtype, so the view is taken of the device data, as an eager op
+                    self.reinterprets = True
+                nbytes = src._storage.nbytes
+            meta = (size, stride, offset, dtype)
+            layout_id = None
+            if all(type(x) is int for x in size) and all(type(x) is int for x in stride) and \
+                    type(offset) is int and type(nbytes) is int:
+                layout_id = _layout_id(size, tuple(stride), offset, dtype, nbytes, device)
+            outputs.append((plan, size, tuple(stride), offset, dtype, nbytes, meta, layout_id))
+        self.outputs = tuple(outputs)
+
+
+_KWARGS = object()              # separates positional and keyword arguments in a meta-cache key
+_TRUE, _FALSE = ("bool", True), ("bool", False)     # True == 1: a bool constant is tagged
+
+
+def _float_part(a: float) -> tuple:
+    """A float constant in a key: -0.0 == 0.0 and nan != nan, so those are told apart by their text."""
+    return ("f", a) if a == a and a != 0.0 else ("f", repr(a))
 
 
 def _key_part(a):
@@ -704,10 +801,12 @@ def _key_part(a):
         return float          # a 0-d float32 tensor whatever its value
     if t is list or t is tuple:
         return (t, *map(_key_part, a))
-    if isinstance(a, torch.Tensor):
-        return ("r", tuple(a.shape), a.stride(), a.storage_offset(), a.dtype, a.device.type)
     if t is float:
-        return (float, a)     # a constant: output sizes may depend on it (scale factors)
+        return _float_part(a)  # a constant: output sizes may depend on it (scale factors)
+    if t is bool:
+        return _TRUE if a else _FALSE
+    if isinstance(a, torch.Tensor):
+        return ("r", tuple(a.shape), a.stride(), a.storage_offset(), a.dtype, a.device)
     return a
 
 

@@ -58,6 +58,26 @@ class ScalarRef:
     index: int
 
 
+# Value ids count from 0 in every trace, so the objects that stand for value `vid` in entries (its
+# `ValueRef`, its structural-signature part, the ("out", entry) kind of an op's output) are made once
+# per process and shared by all traces. Recording then allocates none of them, and the structural keys
+# of two steps share these parts, which makes comparing the keys mostly identity checks.
+VALUE_REFS: list[ValueRef] = []
+VALUE_SIGS: list[tuple] = []       # ("v", vid)
+OUT_KINDS: list[tuple] = []        # ("out", entry index)
+
+
+def _grow(table: list, n: int, make: Callable[[int], Any]) -> None:
+    while len(table) <= n:
+        table.append(make(len(table)))
+
+
+def out_kind(entry_index: int) -> tuple:
+    if entry_index >= len(OUT_KINDS):
+        _grow(OUT_KINDS, entry_index, lambda i: ("out", i))
+    return OUT_KINDS[entry_index]
+
+
 @dataclass(slots=True)
 class Entry:
     """One recorded op. `fn` is an OpOverload or a small Python function built from ATen ops (used by
@@ -100,6 +120,9 @@ class Trace:
 
     def new_value(self, kind: tuple, storage: LazyStorage, meta: tuple) -> int:
         vid = len(self.values)
+        if vid >= len(VALUE_REFS):
+            _grow(VALUE_REFS, vid, ValueRef)
+            _grow(VALUE_SIGS, vid, lambda i: ("v", i))
         self.values.append(kind)
         self.storages[vid] = storage
         self.metas[vid] = meta
@@ -155,7 +178,7 @@ class Trace:
         def arg(a):
             t = type(a)
             if t is ValueRef:
-                return ValueRef(value(a.vid))
+                return VALUE_REFS[value(a.vid)]
             if t is RealRef:
                 return RealRef(real(a.index))
             if t is ScalarRef:
@@ -169,7 +192,7 @@ class Trace:
 
         def sig_part(part):
             if type(part) is tuple and len(part) == 2 and part[0] == "v":
-                return ("v", value(part[1]))
+                return VALUE_SIGS[value(part[1])]
             if type(part) is tuple and len(part) == 2 and part[0] == "r":
                 return ("r", real(part[1]))
             return part
@@ -183,7 +206,7 @@ class Trace:
             for vid in e.out_vids:
                 if vid is not None and vid not in vids:
                     storage = self.storages[vid]
-                    vids[vid] = new.new_value(("out", len(new.entries)), storage, self.metas[vid])
+                    vids[vid] = new.new_value(out_kind(len(new.entries)), storage, self.metas[vid])
                     if storage.creator == vid:
                         storage.creator = vids[vid]
                 out_vids.append(None if vid is None else vids[vid])
