@@ -136,19 +136,12 @@ class LazyTensor(torch.Tensor):
     def __format__(self, spec: str) -> str:
         return format(materialize(self, reason="format"), spec)
 
-    # aten::matmul of a 1-D operand ends in an in-place squeeze_, which a wrapper tensor cannot
-    # follow; the operator form computes it out of place.
-    def __matmul__(self, other):
-        return _matmul(self, other)
-
-    def __rmatmul__(self, other):
-        return _matmul(other, self)
-
-    def matmul(self, other):
-        return _matmul(self, other)
-
     def data_ptr(self) -> int:
         return materialize(self, reason="data_ptr").data_ptr()
+
+    def untyped_storage(self) -> torch.UntypedStorage:
+        # the wrapper's own storage has no data (torch: "data is not allocated yet"): the device data's
+        return materialize(self, reason="untyped_storage").untyped_storage()
 
     def tolist(self):
         return materialize(self, reason="tolist").tolist()
@@ -178,16 +171,6 @@ class LazyTensor(torch.Tensor):
             out = torch.nn.Parameter(out, requires_grad=self.requires_grad)
         memo[id(self)] = out
         return out
-
-
-def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    if a.dim() == 1 and b.dim() == 1:
-        return torch.dot(a, b)
-    if a.dim() == 1:
-        return torch.matmul(a.unsqueeze(0), b).squeeze(-2)
-    if b.dim() == 1:
-        return torch.matmul(a, b.unsqueeze(-1)).squeeze(-1)
-    return torch.matmul(a, b)
 
 
 def is_lazy(t: Any) -> bool:
@@ -423,6 +406,19 @@ class Recorder:
         t._epoch = trace.epoch
         trace.tensors[vid] = weakref.ref(t)
         return ValueRef(vid)
+
+    def adopt(self, t: LazyTensor, view: LazyTensor) -> None:
+        """`t`, whose sizes an in-place view op has just changed, becomes `view` (that op's out-of-place
+        result, on the same storage): it holds the view's value from now on."""
+        trace = self.trace
+        if t._epoch == trace.epoch:
+            ref = trace.tensors.get(t._vid)
+            if ref is not None and ref() is t:
+                del trace.tensors[t._vid]
+        t._real, t._vid, t._epoch = view._real, view._vid, view._epoch
+        t._fake, t._fake_sid, t._concrete, t._mk = view._fake, view._fake_sid, view._concrete, view._mk
+        if view._epoch == trace.epoch:
+            trace.tensors[view._vid] = weakref.ref(t)
 
     def is_clean(self, t: LazyTensor) -> bool:
         if t._real is None:

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import torch
+from torch.utils._mode_utils import no_dispatch
 
 from .lazy_tensor import RECORDER, LazyTensor, LiftedScalar, _opinfo
 
@@ -138,14 +139,35 @@ def _cudnn_batch_norm_backward(func, args, kwargs):
 
 
 def _inplace_metadata(view_op):
-    """`x.squeeze_(0)` and friends change a tensor's sizes in place, which a lazy (wrapper) tensor
-    cannot do: refuse clearly rather than leave a tensor whose shape is wrong."""
+    """`x.squeeze_(0)` and friends (torch.matmul of a 1-D tensor ends with one) change a tensor's sizes in
+    place: the out-of-place view is recorded (or taken of the device data), the wrapper's own sizes are
+    changed the way torch changes those of a wrapper subclass (`return_and_correct_aliasing`: the op
+    run on the wrapper itself, on meta), and the wrapper takes the view's place."""
     def rewrite(func, args, kwargs):
-        raise RuntimeError(
-            "pydisc: %s changes a lazy tensor's shape in place, which lazy tensors do not support; use the "
-            "out-of-place form (`x = x.%s(...)`). (torch.matmul of a 1-D tensor does this internally: "
-            "use the `@` operator, or unsqueeze the vector.)" % (func, view_op.__name__.split(".")[0]))
+        target = args[0]
+        if not isinstance(target, LazyTensor):
+            return NotImplemented
+        view = view_op(*args, **kwargs)
+        with no_dispatch():
+            meta_in_tls = torch._C._meta_in_tls_dispatch_include()
+            torch._C._set_meta_in_tls_dispatch_include(True)
+            try:
+                func(*args, **kwargs)
+            finally:
+                torch._C._set_meta_in_tls_dispatch_include(meta_in_tls)
+        RECORDER.adopt(target, view)
+        return target
     return rewrite
+
+
+def _same_arguments(op, packet):
+    """The overload of `packet` that takes the arguments `op` takes (transpose_.default: transpose.int)."""
+    types = [str(a.type) for a in op._schema.arguments]
+    for overload in packet.overloads():
+        candidate = getattr(packet, overload)
+        if [str(a.type) for a in candidate._schema.arguments] == types:
+            return candidate
+    return None
 
 
 def install_rewrites() -> None:
@@ -168,12 +190,12 @@ def install_rewrites() -> None:
         r[getattr(aten, "addcdiv" + inplace).default] = _addc(aten.div.Tensor, add)
     RECORDER.foreach_rewrite = _foreach     # matched by name: aten's namespace loads ops lazily
     r[aten.native_batch_norm.default] = _batch_norm
-    for name in ("squeeze_", "unsqueeze_", "t_", "transpose_", "swapdims_", "swapaxes_"):
+    for name in ("squeeze_", "unsqueeze_", "t_", "transpose_", "swapdims_", "swapaxes_", "as_strided_"):
         packet = getattr(aten, name, None)
         if packet is None:
             continue
         for overload in packet.overloads():
-            view = getattr(getattr(aten, name[:-1]), overload, None)
+            view = _same_arguments(getattr(packet, overload), getattr(aten, name[:-1]))
             if view is not None:
                 r[getattr(packet, overload)] = _inplace_metadata(view)
     # conjugate and negative views are flag bits on a tensor, which a layout-only view cannot carry

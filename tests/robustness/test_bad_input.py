@@ -247,13 +247,20 @@ def test_data_ptr_of_lazy_tensor_is_real_or_refused(pending):
     assert ptr != 0
 
 
-@pytest.mark.xfail(strict=True, reason="bug: untyped_storage() of a pending lazy tensor raises torch's "
-                                       "'data is not allocated yet ... torch.compile/export/fx' message, "
-                                       "which does not say it is a pydisc lazy tensor or what to do")
-def test_storage_of_pending_lazy_tensor_error_is_clear():
-    x = lz(torch.ones(3)) * 2
-    with pytest.raises(RuntimeError, match="pydisc|lazy|mark_step"):
-        x.untyped_storage()
+@pytest.mark.parametrize("pending", [False, True], ids=["materialized", "pending"])
+def test_storage_of_lazy_tensor_holds_its_data(pending):
+    # was: an invalid storage whose data access raised torch's "data is not allocated yet ... torch.compile"
+    # message; now the device data's storage, computed first if pending (like data_ptr())
+    x = lz(torch.arange(6.0))
+    t = (x * 2).view(2, 3)[1] if pending else x[2:5]
+    before = pydisc.metrics()["materializations"]
+    storage = t.untyped_storage()
+    assert storage.nbytes() == 6 * 4 and storage.data_ptr() != 0
+    want = [0.0, 2.0, 4.0, 6.0, 8.0, 10.0] if pending else [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert torch.tensor([]).set_(storage).tolist() == want
+    assert storage.data_ptr() == t.data_ptr() - t.storage_offset() * t.element_size()
+    assert pydisc.metrics()["materializations"] == before + pending
+    pydisc.mark_step()
 
 
 def test_ctypes_style_consumer_gets_real_data_via_numpy():

@@ -8,9 +8,10 @@ bfloat16 are computed in float32 and rounded once at the end, as torch's CPU ker
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from functools import partial
+from collections.abc import Callable, Sequence
+from functools import cache, partial
 
+import mpmath
 import sympy
 import torch
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
@@ -128,15 +129,45 @@ for _op, _emit in _UNARY.items():
 
 
 def _periodic(b: FunctionBuilder, x: Value, name: str) -> Value:
-    """sin/cos of float32 with the argument reduced to [-pi, pi] in float64 first: IREE's float32
-    sine and cosine reduce large arguments poorly (sin(1e5) off by 3e-3, sin(1e10) = -6e21)."""
+    """sin/cos of float32 with the argument reduced to [-pi, pi] first, as torch's kernels (SLEEF on the
+    CPU, CUDA's sinf) do for every float32: IREE's float32 sine and cosine reduce large arguments poorly
+    (sin(1e5) off by 3e-3, sin(1e10) = -6e21).
+
+    The reduction is Payne-Hanek's in float64: 1/(2 pi) is split into pieces of at most 24 bits, so that
+    x times a piece is exact in float64 and so is its fractional part; the fractional parts sum to
+    frac(x / (2 pi)) within ~1e-15 for every float32 x, up to 3.4e38 (a single float64 division runs out
+    of bits beyond ~1e15)."""
     if x.dtype != torch.float32:
         return b.unary(name, x)
-    wide = b.convert(x, torch.float64)
-    period = b.full(x.shape, 2 * math.pi, torch.float64)
-    turns = b.unary("round_nearest_even", b.binary("divide", wide, period))
-    reduced = b.binary("subtract", wide, b.binary("multiply", turns, period))
+    turns = fraction_of_product(b, b.convert(x, torch.float64), _inverse_two_pi_pieces())
+    reduced = b.binary("multiply", turns, b.full(x.shape, 2 * math.pi, torch.float64))
     return b.unary(name, b.convert(reduced, torch.float32))
+
+
+def fraction_of_product(b: FunctionBuilder, wide: Value, pieces: Sequence[float]) -> Value:
+    """x * c mod 1, in [-1/2, 1/2], for a float64 `wide` that holds a float32 x and a constant c given as
+    `pieces` of at most 24 bits each (`constant_pieces`): every product is exact in float64, and so is
+    its fractional part."""
+    turns = None
+    for piece in pieces:
+        product = b.binary("multiply", wide, b.full(wide.shape, piece, torch.float64))
+        fraction = b.binary("subtract", product, b.unary("round_nearest_even", product))
+        turns = fraction if turns is None else b.binary("add", turns, fraction)
+    return b.binary("subtract", turns, b.unary("round_nearest_even", turns))
+
+
+def constant_pieces(value: Callable[[], mpmath.mpf], bits: int = 216, chunk: int = 24) -> tuple[float, ...]:
+    """`value()` (an mpmath expression, below 1) to `bits` bits, as float64 pieces of `chunk` bits. 216
+    bits: the last pieces reach 2^-216, enough for a float32 of up to 2^128 with ~60 fraction bits left."""
+    with mpmath.workprec(bits + 32):
+        scaled = int(mpmath.floor(mpmath.ldexp(value(), bits)))
+    return tuple(math.ldexp((scaled >> (bits - chunk * i)) & ((1 << chunk) - 1), -chunk * i)
+                 for i in range(1, bits // chunk + 1))
+
+
+@cache
+def _inverse_two_pi_pieces() -> tuple[float, ...]:
+    return constant_pieces(lambda: 1 / (2 * mpmath.pi))
 
 
 def _trunc_emit(b: FunctionBuilder, x: Value) -> Value:
