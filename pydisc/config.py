@@ -30,6 +30,9 @@ class Config:
     # on CUDA, matmuls and convolutions run in torch (cuBLAS/cuDNN, several times faster than IREE's
     # code) between compiled clusters; "iree" keeps them inside the clusters
     gpu_matmul: str = _env("PYDISC_GPU_MATMUL", "torch")
+    # the torch-mlir route: ops with no StableHLO rule are compiled through torch-mlir's FX importer
+    # (frontend/torch_mlir.py) instead of running eagerly, where it can
+    torch_mlir: bool = _env("PYDISC_TORCH_MLIR", "1") != "0"
 
 
 CONFIG = Config()

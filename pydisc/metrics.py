@@ -17,7 +17,14 @@ class Metrics:
     cache_hits: int = 0               # compiled clusters reused instead of compiled
     disk_cache_hits: int = 0          # of those, read from the on-disk cache (docs/cache.md)
     executions: int = 0               # runs of compiled clusters
-    clusters: int = 0                 # clusters created by the partitioner (distinct graphs)
+    clusters: int = 0                 # compiled clusters, both routes (distinct graphs)
+    clusters_stablehlo: int = 0       # of those, StableHLO clusters
+    clusters_torch_mlir: int = 0      # of those, torch-mlir regions (ops with no StableHLO rule)
+    ops_stablehlo: int = 0            # ATen ops (graph nodes) in the compiled StableHLO clusters
+    ops_torch_mlir: int = 0           # ATen ops in the compiled torch-mlir regions
+    torch_mlir_ops: Counter = field(default_factory=Counter)       # ATen op -> nodes compiled by torch-mlir
+    torch_mlir_failures: Counter = field(default_factory=Counter)  # region that stayed eager -> count
+    executions_torch_mlir: int = 0    # runs of torch-mlir regions (also counted in `executions`)
     mark_steps: int = 0               # pydisc.mark_step() calls
     steps: int = 0                    # mark_step calls that ran something
     graph_cache_hits: int = 0         # steps whose whole plan was reused

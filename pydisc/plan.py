@@ -23,7 +23,7 @@ from .frontend.replay import Program, functional_graph
 from .metrics import METRICS
 from .shape_log import record_cluster
 
-__all__ = ["StepPlan", "CompiledCluster", "build_plan", "plan_graph"]
+__all__ = ["StepPlan", "CompiledCluster", "CompiledRegion", "build_plan", "plan_graph"]
 
 
 @dataclass
@@ -32,7 +32,8 @@ class StepPlan:
     eager_ops: Counter = field(default_factory=Counter)   # ATen op -> eager runs per execution
     eager_sources: dict = field(default_factory=dict)     # ATen op -> user source line
     eager_dtypes: dict = field(default_factory=dict)      # ATen op -> dtypes
-    clusters: int = 0
+    clusters: int = 0                                     # compiled StableHLO clusters
+    regions: int = 0                                      # compiled torch-mlir regions
     library_ops: Counter = field(default_factory=Counter)  # ATen op -> runs in torch's libraries by choice
 
 
@@ -43,6 +44,8 @@ class CompiledCluster(torch.nn.Module):
     function generated once from the size expressions (`_size_function`); SymInt inputs are not passed
     to IREE and SymInt outputs are computed there too.
     With PYDISC_CHECK=N, every Nth call also runs the cluster's ops eagerly and compares."""
+
+    route = "stablehlo"
 
     def __init__(self, name: str, compiled, emitted, device: torch.device, fallback: torch.fx.GraphModule):
         super().__init__()
@@ -90,6 +93,74 @@ class CompiledCluster(torch.nn.Module):
                 METRICS.numerics_mismatches.append(message)
                 warn_once("check:" + self.name + str(i), "pydisc numerics check: " + message)
                 return
+
+
+class CompiledRegion(CompiledCluster):
+    """A region of the torch-mlir route (`frontend/torch_mlir.py`): the same calling convention, static
+    shapes; its runs are counted apart (`executions_torch_mlir`), so a caller can tell the routes.
+
+    torch-mlir's lowerings are not pydisc's own: some compute wrong values (`_WRONG_VALUES` there lists
+    those found), and IREE 3.13 writes the result of a torch-mlir scatter into the scatter's input
+    buffer. So the first call keeps a copy of the inputs, checks that none was written (restoring it if
+    one was) and runs the region eagerly to compare: a region that fails either check is demoted for
+    good (`demote` moves its ops to the plan's eager ledger), warned and counted, and eager's values
+    are used."""
+
+    route = "torch-mlir"
+
+    def __init__(self, name: str, compiled, emitted, device: torch.device, fallback: torch.fx.GraphModule,
+                 demote: Callable[[], None]):
+        super().__init__(name, compiled, emitted, device, fallback)
+        self.demote = demote
+        self.verified = False
+        self.demoted = False
+
+    def forward(self, *inputs):
+        if self.demoted:
+            return self.fallback(*inputs)
+        METRICS.executions_torch_mlir += 1
+        if self.verified:
+            return super().forward(*inputs)
+        self.verified = True
+        snapshot = [t.clone() if isinstance(t, torch.Tensor) else t for t in inputs]
+        results = super().forward(*inputs)
+        written = [i for i, (t, s) in enumerate(zip(inputs, snapshot)) if isinstance(t, torch.Tensor)
+                   and not _same_values(t, s)]
+        for i in written:
+            inputs[i].copy_(snapshot[i])
+        expected = self.fallback(*inputs)
+        if written:
+            mismatch = "it wrote into its input%s %s" % ("s" if len(written) > 1 else "", written)
+        else:
+            mismatch = _first_mismatch([results] if self.single else list(results),
+                                       [expected] if self.single else list(expected))
+        if mismatch is not None:
+            ops = sorted({str(n.target) for n in self.fallback.graph.nodes if n.op == "call_function"})
+            warn_once("region-wrong:" + ",".join(ops)[:120],
+                      "pydisc: torch-mlir region %s (%s) differs from eager on its first call (%s); it "
+                      "runs eagerly from now on" % (self.name, ", ".join(ops[:6]), mismatch))
+            METRICS.torch_mlir_failures["%s (%s)" % (", ".join(ops[:3]), "wrote its inputs" if written
+                                                     else "wrong values")] += 1
+            self.demoted = True
+            self.demote()
+            return expected
+        return results
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal element by element, NaN equal to NaN."""
+    if a.dtype.is_floating_point:
+        return bool(((a == b) | (a.isnan() & b.isnan())).all())
+    return torch.equal(a, b)
+
+
+def _first_mismatch(results: list, expected: list) -> str | None:
+    for i, (got, want) in enumerate(zip(results, expected)):
+        try:
+            torch.testing.assert_close(got, want, equal_nan=True, check_dtype=True, **_tolerance(want.dtype))
+        except AssertionError as exc:
+            return "output %d: %s" % (i, " ".join(str(exc).splitlines()[:3]))
+    return None
 
 
 def _size_function(emitted, device: torch.device) -> Callable:
@@ -224,7 +295,7 @@ def plan_graph(gm: torch.fx.GraphModule, device: torch.device, sources: list[str
     nodes such as `aten.sym_size.int`): its clusters are then compiled once with dynamic dimensions and
     the plan runs at every size. `sources[i]` is the user source line of program entry i (nodes carry
     `meta["pydisc_entry"]`); `step_id` names the dump files."""
-    from .cluster import is_host_scalar, partition_graph
+    from .cluster import add_torch_mlir_regions, is_host_scalar, partition_graph
     from .exec import compile_module
     from .frontend.emit import emit_cluster, unsupported_reason
 
@@ -233,6 +304,9 @@ def plan_graph(gm: torch.fx.GraphModule, device: torch.device, sources: list[str
     if CONFIG.disable:
         return StepPlan(gm, Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function"))
     part = partition_graph(gm, device, unsupported_reason, CONFIG.min_cluster_ops)
+    if CONFIG.torch_mlir:   # the second route takes what StableHLO cannot (frontend/torch_mlir.py)
+        from .frontend.torch_mlir import torch_mlir_reason
+        part = add_torch_mlir_regions(part, device, torch_mlir_reason, CONFIG.min_cluster_ops)
     fused = part.graph_module
     plan = StepPlan(fused)
 
@@ -260,7 +334,8 @@ def plan_graph(gm: torch.fx.GraphModule, device: torch.device, sources: list[str
         raise StrictModeError("pydisc strict mode: %s cannot be compiled (%s) and would run eagerly, at %s"
                               % (op, part.reasons.get(op, "not supported"), plan.eager_sources.get(op)))
     METRICS.plan_seconds += time.perf_counter() - started
-    summary = ["step %d: %d clusters, %d eager ops" % (step_id, len(part.clusters), len(part.eager_ops))]
+    summary = ["step %d: %d clusters, %d torch-mlir regions, %d eager ops" % (
+        step_id, len(part.clusters), len(part.regions), len(part.eager_ops))]
     for reason_op, reason in sorted(part.reasons.items()):
         summary.append("  not compiled: %s (%s)" % (reason_op, reason))
     compile_started = time.perf_counter()
@@ -308,19 +383,60 @@ def plan_graph(gm: torch.fx.GraphModule, device: torch.device, sources: list[str
         record_cluster(emitted.text, device)
         setattr(parent, name, CompiledCluster(name, compiled, emitted, device, sub))
         plan.clusters += 1
+        METRICS.ops_stablehlo += len(ops)
         summary.append("  %s: %d ops compiled: %s" % (name, len(ops), ", ".join(sorted(set(op_names)))))
+
+    def compile_region(name: str) -> None:
+        """A torch-mlir region: compiled, or left to eager (warned once, counted) when torch-mlir's
+        importer or IREE rejects it."""
+        from .frontend.torch_mlir import import_region
+
+        sub = getattr(fused, name)
+        ops = [n for n in sub.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
+        op_names = sorted({str(n.target) for n in ops})
+        t0 = time.perf_counter()
+        try:
+            region = import_region(sub)
+            _dump("step%d_%s.mlir" % (step_id, name), region.text)
+            compiled = compile_module(region.text, device, region.input_type)
+        except Exception as exc:
+            detail = getattr(exc, "diagnostics", None) or str(exc)   # IREE's own message first
+            first_line = detail.strip().splitlines()[0][:300] if detail.strip() else ""
+            path = _dump("step%d_%s.failed.txt" % (step_id, name), "%s\n\n%s" % (exc, sub.code), failure=True)
+            warn_once("region:" + ",".join(op_names)[:120],
+                      "pydisc: a region of %d ops (%s) has no StableHLO rule and torch-mlir could not compile "
+                      "it either; it runs eagerly (%s: %s); IR dump: %s" % (
+                          len(ops), ", ".join(op_names[:6]), type(exc).__name__, first_line, path))
+            METRICS.torch_mlir_failures["%s (%s)" % (", ".join(op_names[:3]), type(exc).__name__)] += 1
+            for n in ops:
+                note_eager(n)
+            summary.append("  %s: %d ops, EAGER after torch-mlir failure: %s" % (name, len(ops), first_line))
+            return
+        log("compiles", "torch-mlir region %s: %d ops, %d inputs, %d outputs, %.2f s", name, len(ops),
+            len(region.inputs), len(region.outputs), time.perf_counter() - t0)
+        record_cluster(region.text, device, region.input_type)
+        setattr(fused, name, CompiledRegion(name, compiled, region, device, sub,
+                                            demote=lambda: [note_eager(n) for n in ops]))
+        plan.regions += 1
+        METRICS.ops_torch_mlir += len(ops)
+        METRICS.torch_mlir_ops.update(str(n.target) for n in ops)
+        summary.append("  %s: %d ops compiled through torch-mlir: %s" % (name, len(ops), ", ".join(op_names)))
 
     for k, name in enumerate(part.clusters):
         compile_into(fused, name, k, len(part.clusters))
-    METRICS.clusters += plan.clusters
+    for name in part.regions:
+        compile_region(name)
+    METRICS.clusters += plan.clusters + plan.regions
+    METRICS.clusters_stablehlo += plan.clusters
+    METRICS.clusters_torch_mlir += plan.regions
     for op, count in plan.eager_ops.most_common():
         summary.append("  eager: %s x%d%s" % (op, count, (" at " + plan.eager_sources[op])
                                               if op in plan.eager_sources else ""))
     _dump("step%d_partition.txt" % step_id, "\n".join(summary) + "\n\n" + fused.code)
     if CONFIG.dump_dir:
         _dump("step%d_partition.dot" % step_id, _to_dot(fused))
-    log("plans", "planned step %d: %d clusters, %d eager ops, %.2f s", step_id, plan.clusters,
-        sum(plan.eager_ops.values()), time.perf_counter() - started)
+    log("plans", "planned step %d: %d clusters, %d torch-mlir regions, %d eager ops, %.2f s", step_id,
+        plan.clusters, plan.regions, sum(plan.eager_ops.values()), time.perf_counter() - started)
     return plan
 
 
@@ -366,7 +482,8 @@ def _to_dot(gm: torch.fx.GraphModule) -> str:
             n_ops = sum(1 for n in inner.graph.nodes if n.op == "call_function")
             compiled = isinstance(sub, CompiledCluster)
             color = "palegreen" if compiled else "orange"
-            label = "%s\\n%d ops %s" % (node.target, n_ops, "compiled" if compiled else "EAGER (failed)")
+            label = "%s\\n%d ops %s" % (node.target, n_ops, ("compiled (%s)" % sub.route) if compiled
+                                           else "EAGER (failed)")
         elif node.target is operator.getitem:
             continue
         else:

@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
             print("skip %s: no CUDA device here" % entry["sha256"][:16])
             continue
         try:
-            compile_module(entry["mlir"], device)
+            compile_module(entry["mlir"], device, entry.get("input_type", "stablehlo"))
         except Exception as exc:   # report and go on: one bad entry should not stop the warm-up
             failed += 1
             print("cluster %d/%d (%s) failed: %s" % (i, len(entries), entry["sha256"][:16],

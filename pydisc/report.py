@@ -13,7 +13,8 @@ def metrics_report(top: int = 10) -> str:
         "  steps run            %d (plans reused %d, planned %d)" % (m.steps, m.graph_cache_hits,
                                                                    m.graph_cache_misses),
         "  recorded ops         %d" % m.recorded_ops,
-        "  compiled clusters    %d" % m.clusters,
+        "  compiled clusters    %d (StableHLO %d with %d ops, torch-mlir %d with %d ops)" % (
+            m.clusters, m.clusters_stablehlo, m.ops_stablehlo, m.clusters_torch_mlir, m.ops_torch_mlir),
         "  IREE compiles        %d (%.2f s), cache hits %d (%d from disk)" % (
             m.compiles, m.compile_seconds, m.cache_hits, getattr(m, "disk_cache_hits", 0)),
         "  cluster executions   %d" % m.executions,
@@ -28,6 +29,11 @@ def metrics_report(top: int = 10) -> str:
         dtypes = ",".join(sorted(m.fallback_dtypes.get(op, ())))
         source = m.fallback_sources.get(op)
         lines.append("    %-40s %6d  %s%s" % (op, count, dtypes, ("  first at " + source) if source else ""))
+    if m.torch_mlir_ops:
+        lines.append("  through torch-mlir   %s" % ", ".join("%s x%d" % kv for kv in m.torch_mlir_ops.most_common(top)))
+    if m.torch_mlir_failures:
+        lines.append("  torch-mlir rejected  %s (those ops ran eagerly)" % ", ".join(
+            "%s x%d" % kv for kv in m.torch_mlir_failures.most_common(top)))
     if m.collectives:
         total = sum(m.collectives.values())
         per_step = " (%.1f per mark_step)" % (total / m.mark_steps) if m.mark_steps else ""

@@ -1,8 +1,8 @@
 """The shape log: every cluster a run compiled, so another process can compile them ahead of time.
 
-`PYDISC_SHAPE_LOG=path` appends one JSON line per newly compiled cluster (its device kind and MLIR
-text); `python -m pydisc.precompile path` compiles them all into the persistent cache
-(docs/cache.md), so a job restarted on a fresh machine or with an empty cache starts hot.
+`PYDISC_SHAPE_LOG=path` appends one JSON line per newly compiled cluster (its device kind, MLIR text
+and, for a region of the torch-mlir route, `"input_type": "torch"`); `python -m pydisc.precompile path`
+compiles them all into the persistent cache (docs/cache.md), so a job restarted on a fresh machine or with an empty cache starts hot.
 """
 from __future__ import annotations
 
@@ -18,14 +18,17 @@ __all__ = ["record_cluster", "read_log"]
 _LOGGED: set[str] = set()
 
 
-def record_cluster(text: str, device: torch.device) -> None:
+def record_cluster(text: str, device: torch.device, input_type: str = "stablehlo") -> None:
     if not CONFIG.shape_log:
         return
     digest = hashlib.sha256(text.encode()).hexdigest()
     if digest in _LOGGED:
         return
     _LOGGED.add(digest)
-    line = json.dumps({"device": device.type, "sha256": digest, "mlir": text})
+    entry = {"device": device.type, "sha256": digest, "mlir": text}
+    if input_type != "stablehlo":
+        entry["input_type"] = input_type
+    line = json.dumps(entry)
     # one write per line in append mode: lines from several processes do not interleave
     with open(CONFIG.shape_log, "a") as f:
         f.write(line + "\n")

@@ -9,6 +9,10 @@ torch.fx's partitioner keeps, for every node, the set of all nodes downstream of
 memory (a 5,000-op step spent 17 s there, and 20,000 ops would need gigabytes). Graphs above
 `FX_PARTITIONER_MAX_NODES` nodes are proposed by `_propose_by_level` instead, in linear time.
 
+A second route, torch-mlir (`add_torch_mlir_regions`), proposes regions the same way over what the
+StableHLO clusters left: the StableHLO route is preferred, since it runs first and takes every node it
+can; the regions take what it cannot, and eager execution keeps the rest.
+
 In a graph with symbolic sizes, nodes that compute a size (`aten.sym_size.int`, `operator.mul` on
 SymInts) join the clusters that use them like any supported op, but cost nothing (the emitter computes
 them from tensor dims) and are not fallbacks where they stay outside: they are host integer arithmetic.
@@ -26,7 +30,8 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 
 from ..config import CONFIG
 
-__all__ = ["FX_PARTITIONER_MAX_NODES", "MAX_CLUSTER_NODES", "Partition", "is_host_scalar", "partition_graph"]
+__all__ = ["FX_PARTITIONER_MAX_NODES", "MAX_CLUSTER_NODES", "Partition", "add_torch_mlir_regions", "is_host_scalar",
+           "partition_graph"]
 
 FX_PARTITIONER_MAX_NODES = 2000
 # iree-compile's time per op grows with the size of the module (llvm-cpu, a chain of small matmuls and
@@ -56,6 +61,7 @@ class Partition:
     clusters: list[str]                          # names of the cluster submodules
     eager_ops: list[str] = field(default_factory=list)   # ATen op names left to eager, one per node
     reasons: dict[str, str] = field(default_factory=dict)  # op name -> why it was not compiled
+    regions: list[str] = field(default_factory=list)       # names of the torch-mlir region submodules
 
 
 class _Support(OperatorSupportBase):
@@ -165,11 +171,9 @@ def _propose_by_level(gm: torch.fx.GraphModule, support: _Support) -> list[FxPar
     return [FxPartition(id=k, nodes=reversed(group)) for k, (_, group) in enumerate(sorted(groups.items()))]
 
 
-def partition_graph(gm: torch.fx.GraphModule, device: torch.device,
-                    reason_of: Callable[[torch.fx.Node], str | None],
-                    min_ops: int = 1, max_ops: int | None = MAX_CLUSTER_NODES) -> Partition:
-    reasons: dict[str, str] = {}
-    support = _Support(device, reason_of, reasons)
+def _propose(gm: torch.fx.GraphModule, support: _Support, min_ops: int, max_ops: int | None) -> list[FxPartition]:
+    """Convex groups of supported nodes, without those that hold no compute op, in pieces of at most
+    `max_ops` nodes."""
     if len(gm.graph.nodes) > FX_PARTITIONER_MAX_NODES:
         proposed = _propose_by_level(gm, support)
     else:
@@ -184,8 +188,50 @@ def partition_graph(gm: torch.fx.GraphModule, device: torch.device,
         kept = [piece for p in kept for piece in _chunks(p, max_ops, order)]
         for i, p in enumerate(kept):
             p.id = i
+    return kept
+
+
+def _eager(gm: torch.fx.GraphModule) -> list[str]:
+    return [str(n.target) for n in gm.graph.nodes
+            if n.op == "call_function" and n.target is not operator.getitem and not is_host_scalar(n)]
+
+
+def partition_graph(gm: torch.fx.GraphModule, device: torch.device,
+                    reason_of: Callable[[torch.fx.Node], str | None],
+                    min_ops: int = 1, max_ops: int | None = MAX_CLUSTER_NODES) -> Partition:
+    reasons: dict[str, str] = {}
+    support = _Support(device, reason_of, reasons)
+    kept = _propose(gm, support, min_ops, max_ops)
     fused = fuse_by_partitions(gm, [p.nodes for p in kept], prefix="fused_")
     clusters = [n.target for n in fused.graph.nodes if n.op == "call_module"]
-    eager = [str(n.target) for n in fused.graph.nodes
-             if n.op == "call_function" and n.target is not operator.getitem and not is_host_scalar(n)]
-    return Partition(fused, clusters, eager, reasons)
+    return Partition(fused, clusters, _eager(fused), reasons)
+
+
+def add_torch_mlir_regions(part: Partition, device: torch.device,
+                           reason_of: Callable[[torch.fx.Node], str | None],
+                           min_ops: int = 1, max_ops: int | None = MAX_CLUSTER_NODES) -> Partition:
+    """The torch-mlir route: group the eager nodes of `part` that `reason_of` accepts into convex
+    regions (submodules `torch_mlir_K`, next to the clusters `fused_K`). A region's tensors must all
+    live on the step's device, 0-d ones included (a region has no host scalars)."""
+    reasons: dict[str, str] = {}
+
+    def region_reason(node: torch.fx.Node) -> str | None:
+        reason = reason_of(node)
+        if reason is None:
+            for n in [node, *node.all_input_nodes]:
+                val = n.meta.get("val")
+                for v in (val if isinstance(val, (tuple, list)) else (val,)):
+                    if isinstance(v, torch.Tensor) and v.device.type != device.type:
+                        return "tensor on %s in a %s step" % (v.device, device)
+        return reason
+
+    kept = _propose(part.graph_module, _Support(device, region_reason, reasons), min_ops, max_ops)
+    if not kept:
+        return part
+    fused = fuse_by_partitions(part.graph_module, [p.nodes for p in kept], prefix="torch_mlir_")
+    regions = [n.target for n in fused.graph.nodes if n.op == "call_module" and n.target.startswith("torch_mlir_")]
+    eager = _eager(fused)
+    left = set(eager)
+    merged = {op: reason + ("; torch-mlir: " + reasons[op] if op in reasons else "")
+              for op, reason in part.reasons.items() if op in left}
+    return Partition(fused, part.clusters, eager, merged, regions)

@@ -1,7 +1,10 @@
-"""StableHLO text -> IREE `.vmfb` -> CompiledModule, cached in memory and on disk.
+"""MLIR text -> IREE `.vmfb` -> CompiledModule, cached in memory and on disk.
 
-Lookup order: loaded modules keyed by (sha256 of the text, target flags, device), so a repeated call
-returns the very same CompiledModule; compiled bytes keyed by (text hash, flags), so a second device of
+The text is StableHLO (the clusters) or torch-mlir's `torch` dialect (the regions of the torch-mlir
+route, `input_type="torch"`); the input type is part of every cache key.
+Lookup order: loaded modules keyed by (sha256 of the text, input type, target flags, device), so a
+repeated call returns the very same CompiledModule; compiled bytes keyed by (text hash, input type,
+flags), so a second device of
 the same kind (cuda:1 after cuda:0) compiles nothing; the on-disk cache (disk_cache.py), shared by
 processes; and only then the compiler, whose result is written to disk once it has loaded.
 """
@@ -29,8 +32,11 @@ _MAX_DIAGNOSTIC_LINES = 40
 _MAX_DIAGNOSTIC_CHARS = 4000
 
 _LOCK = threading.Lock()
-_VMFB_CACHE: dict[tuple[str, tuple[str, ...]], bytes] = {}
-_MODULE_CACHE: dict[tuple[str, tuple[str, ...], torch.device], CompiledModule] = {}
+_VMFB_CACHE: dict[tuple[str, str, tuple[str, ...]], bytes] = {}
+_MODULE_CACHE: dict[tuple[str, str, tuple[str, ...], torch.device], CompiledModule] = {}
+INPUT_TYPES = ("stablehlo", "torch")
+# torch-mlir texts IREE rejected: each region of that route is tried once per process, not at every plan
+_FAILED: dict[tuple[str, str, tuple[str, ...]], CompileError] = {}
 
 
 def text_hash(text: str) -> str:
@@ -43,14 +49,18 @@ def clear_cache() -> None:
     with _LOCK:
         _VMFB_CACHE.clear()
         _MODULE_CACHE.clear()
+        _FAILED.clear()
 
 
-def compile_module(text: str, device: torch.device | str) -> CompiledModule:
-    """Compile StableHLO MLIR text for `device` (or reuse the cached result) and load it there."""
+def compile_module(text: str, device: torch.device | str, input_type: str = "stablehlo") -> CompiledModule:
+    """Compile MLIR text of `input_type` (StableHLO, or torch-mlir's `torch` dialect) for `device`, or
+    reuse the cached result, and load it there."""
+    if input_type not in INPUT_TYPES:
+        raise ValueError(f"input_type must be one of {INPUT_TYPES}, not {input_type!r}")
     target = target_for(device)
     session = session_for(device)
     digest = text_hash(text)
-    key = (digest, target.flags)
+    key = (digest, input_type, target.flags)
     with _LOCK:
         module = _MODULE_CACHE.get((*key, session.device))
         if module is not None:
@@ -58,8 +68,15 @@ def compile_module(text: str, device: torch.device | str) -> CompiledModule:
             return module
         name = f"module_{digest[:16]}"
         vmfb = _VMFB_CACHE.get(key)
+        if key in _FAILED:
+            raise _FAILED[key]
         if vmfb is None:
-            module = _load_from_disk_or_compile(text, digest, target, session, name)
+            try:
+                module = _load_from_disk_or_compile(text, digest, input_type, target, session, name)
+            except CompileError as error:
+                if input_type == "torch":
+                    _FAILED[key] = error
+                raise
             _VMFB_CACHE[key] = module.vmfb
         else:
             _count_hit()
@@ -69,12 +86,12 @@ def compile_module(text: str, device: torch.device | str) -> CompiledModule:
 
 
 def _load_from_disk_or_compile(
-    text: str, digest: str, target: Target, session: DeviceSession, name: str
+    text: str, digest: str, input_type: str, target: Target, session: DeviceSession, name: str
 ) -> CompiledModule:
     cache: DiskCache | None = configured_disk_cache()
     if cache is None:
-        return CompiledModule(_compile(text, digest, target), session, name=name)
-    disk_key = cache_key(digest, target)
+        return CompiledModule(_compile(text, digest, input_type, target), session, name=name)
+    disk_key = cache_key(digest, target, input_type)
     module = _load_from_disk(cache, disk_key, session, name)
     if module is not None:
         return module
@@ -83,7 +100,7 @@ def _load_from_disk_or_compile(
         module = _load_from_disk(cache, disk_key, session, name)
         if module is not None:
             return module
-        vmfb = _compile(text, digest, target)
+        vmfb = _compile(text, digest, input_type, target)
         module = CompiledModule(vmfb, session, name=name)
         cache.put(disk_key, vmfb)  # only modules that load are worth keeping
     return module
@@ -109,15 +126,18 @@ def _count_hit(disk: bool = False) -> None:
             METRICS.disk_cache_hits += 1
 
 
-def _compile(text: str, digest: str, target: Target) -> bytes:
+def _compile(text: str, digest: str, input_type: str, target: Target) -> bytes:
     dump_path = _dump(text, digest)
     start = time.perf_counter()
     try:
-        vmfb = ireec.compile_str(text, input_type="stablehlo", extra_args=list(target.flags))
+        vmfb = ireec.compile_str(text, input_type=input_type, extra_args=list(target.flags))
     except Exception as e:  # CompilerToolError; anything else from the compiler is handled the same
-        with METRICS_LOCK:
-            METRICS.compile_failures[f"iree-compile ({target.name})"] += 1
-        raise _compile_error(e, digest, target, dump_path) from e
+        if input_type == "stablehlo":
+            # A torch-mlir region that IREE rejects is an expected outcome of that route, counted by
+            # the planner (`torch_mlir_failures`), not a failure of a cluster pydisc emitted.
+            with METRICS_LOCK:
+                METRICS.compile_failures[f"iree-compile ({target.name})"] += 1
+        raise _compile_error(e, digest, target, dump_path, input_type) from e
     finally:
         with METRICS_LOCK:
             METRICS.compile_seconds += time.perf_counter() - start
@@ -151,7 +171,8 @@ def _diagnostics(error: Exception) -> str:
     return text
 
 
-def _compile_error(error: Exception, digest: str, target: Target, dump_path: str | None) -> CompileError:
+def _compile_error(error: Exception, digest: str, target: Target, dump_path: str | None,
+                   input_type: str = "stablehlo") -> CompileError:
     diagnostics = _diagnostics(error)
     if dump_path is not None:
         with open(dump_path[: -len(".mlir")] + ".error.txt", "w") as f:
@@ -162,8 +183,10 @@ def _compile_error(error: Exception, digest: str, target: Target, dump_path: str
     return CompileError(
         f"IREE could not compile module_{digest[:16]} for {target.name} "
         f"(flags: {' '.join(target.flags)}):\n{diagnostics}\n"
-        f"{where} The cluster can run eagerly instead; if the MLIR is valid StableHLO, the op that fails "
-        "is a lowering IREE does not support and belongs on the partitioner's unsupported list.",
+        f"{where} The cluster can run eagerly instead; " + (
+            "if the MLIR is valid StableHLO, the op that fails is a lowering IREE does not support and "
+            "belongs on the partitioner's unsupported list." if input_type == "stablehlo" else
+            "IREE's torch input conversion has no lowering for an op of this torch-mlir region."),
         diagnostics=diagnostics,
         dump_path=dump_path,
     )

@@ -297,10 +297,11 @@ def configured_disk_cache() -> DiskCache | None:
 # -- keys ---------------------------------------------------------------------------------------------
 
 
-def cache_key(text_digest: str, target: Target) -> str:
-    """sha256 over the MLIR text's hash, the target and its flags, the IREE and pydisc versions, and, for
-    flags that compile for the host CPU, that CPU (a shared home folder may serve different machines)."""
-    parts = [_KEY_FORMAT, text_digest, target.name, *target.flags, *_toolchain()]
+def cache_key(text_digest: str, target: Target, input_type: str = "stablehlo") -> str:
+    """sha256 over the MLIR text's hash, its input type (stablehlo, torch), the target and its flags, the
+    IREE and pydisc versions, and, for flags that compile for the host CPU, that CPU (a shared home folder
+    may serve different machines)."""
+    parts = [_KEY_FORMAT, text_digest, input_type, target.name, *target.flags, *_toolchain()]
     if any(flag.endswith("=host") for flag in target.flags):
         parts.append(_host_cpu())
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()

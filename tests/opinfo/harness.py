@@ -13,6 +13,10 @@ runs again on its own so that each outcome belongs to exactly one sample. Outcom
 - error: pydisc raised (or a cluster failed to compile) where eager did not.
 
 Samples on which eager itself raises are skipped.
+
+Each outcome also names the route whose executables ran (`Outcome.route`): "stablehlo", "torch-mlir"
+(ops with no StableHLO rule, compiled through torch-mlir's FX importer), "both", or "" when none ran.
+A batch whose step used both routes runs again sample by sample, so that each sample's route is its own.
 """
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ RANDOM_OPS = {"randn", "rand", "randint", "randperm", "randn_like", "rand_like",
 class Outcome:
     kind: str               # compiled | fallback | wrong | error
     detail: str = ""        # fallback ops, mismatch or exception text
+    route: str = ""         # stablehlo | torch-mlir | both | "" (no compiled executable ran)
 
 
 @dataclass
@@ -244,8 +249,9 @@ def _run_batch(op: Any, batch: list[_Sample], grad: bool, values: bool) -> tuple
     failures = Counter(after["compile_failures"]) - Counter(before["compile_failures"])
     ran_compiled = after["executions"] > before["executions"]
     nothing_to_run = after["steps"] == before["steps"]
+    route = _route(before, after)
     clean = step_error is None and not fallback and not failures and all(s.error is None for s in batch)
-    if len(batch) > 1 and not clean:
+    if len(batch) > 1 and (not clean or route == "both"):
         return [], False
     outcomes = []
     for s in batch:
@@ -264,7 +270,17 @@ def _run_batch(op: Any, batch: list[_Sample], grad: bool, values: bool) -> tuple
             outcomes.append(Outcome("compiled"))
         else:
             outcomes.append(Outcome("fallback", "step ran without a compiled cluster"))
+    for o in outcomes:
+        o.route = route
     return outcomes, True
+
+
+def _route(before: dict, after: dict) -> str:
+    """Which route's executables ran between two metrics snapshots."""
+    torch_mlir = after.get("executions_torch_mlir", 0) - before.get("executions_torch_mlir", 0)
+    stablehlo = after["executions"] - before["executions"] - torch_mlir
+    return {(True, True): "both", (True, False): "stablehlo", (False, True): "torch-mlir"}.get(
+        (stablehlo > 0, torch_mlir > 0), "")
 
 
 def _describe(exc: BaseException) -> str:

@@ -41,14 +41,16 @@ def sweep(ops: list, samples: int, log) -> list[CaseResult]:
                     case.outcomes = [Outcome("error", f"harness: {type(exc).__name__}: {exc}"[:300])]
                 results.append(case)
                 counts = case.counts()
+                routes = Counter(o.route for o in case.outcomes if o.route in ("torch-mlir", "both"))
                 print(f"{case.op:45s} {SHORT[dtype]:5s} {'bwd' if grad else 'fwd'} "
                       + " ".join(f"{k}={counts[k]}" for k in KINDS if counts[k])
+                      + "".join(f" route:{r}={n}" for r, n in sorted(routes.items()))
                       + f"  ({time.perf_counter() - started:.1f}s)", flush=True)
                 if log is not None:
                     for o in case.outcomes:
-                        if o.kind != "compiled":
+                        if o.kind != "compiled" or o.route in ("torch-mlir", "both"):
                             log.write(json.dumps({"op": case.op, "dtype": SHORT[dtype], "grad": grad,
-                                                  "kind": o.kind, "detail": o.detail}) + "\n")
+                                                  "kind": o.kind, "route": o.route, "detail": o.detail}) + "\n")
                     log.flush()
     return results
 
@@ -80,6 +82,12 @@ def render(results: list[CaseResult], command: str, samples: int, seconds: float
     low, low_ok, low_n = _percent(results, {torch.float16, torch.bfloat16})
     f32_fwd = _percent([r for r in results if not r.grad], {torch.float32})
     low_fwd = _percent([r for r in results if not r.grad], {torch.float16, torch.bfloat16})
+    routes = Counter(o.route for r in results for o in r.outcomes if o.kind == "compiled")
+    by_route: dict[str, Counter] = defaultdict(Counter)   # op -> route -> compiled samples
+    for r in results:
+        for o in r.outcomes:
+            if o.kind == "compiled" and o.route in ("torch-mlir", "both"):
+                by_route[r.op + (" (grad)" if r.grad else "")][f"{SHORT[r.dtype]} {o.route}"] += 1
     lines = [
         "# Op coverage against PyTorch's OpInfo suite",
         "",
@@ -122,6 +130,10 @@ def render(results: list[CaseResult], command: str, samples: int, seconds: float
         f"- **bfloat16 + float16**: {low:.1f}% compiled ({low_ok}/{low_n}); forward only {low_fwd[0]:.1f}% "
         f"({low_fwd[1]}/{low_fwd[2]}).",
         "",
+        f"- **routes** of the compiled samples: StableHLO only {routes['stablehlo']}, torch-mlir only "
+        f"{routes['torch-mlir']}, both {routes['both']}, none ran (views only) {routes['']}. torch-mlir "
+        "compiles regions of ops that have no StableHLO rule (`PYDISC_TORCH_MLIR=0` turns it off).",
+        "",
         "Ops that fall back by design: their output shape depends on the data (pydisc compiles static",
         "shapes): " + ", ".join(sorted(DATA_DEPENDENT)) + ". Complex results (`fft.rfft`, `fft.irfft`)",
         "have no StableHLO lowering in pydisc and run eagerly.",
@@ -133,6 +145,12 @@ def render(results: list[CaseResult], command: str, samples: int, seconds: float
         "| op | core ATen op | " + " | ".join(SHORT[d] for d in dtypes) + " |",
         "| --- | --- | " + " | ".join("---" for _ in dtypes) + " |",
     ]
+    if by_route:
+        lines += ["", "## Compiled through torch-mlir", "",
+                  "Compiled samples whose step ran a torch-mlir region (ops with no StableHLO rule), per op:",
+                  "", "| op | samples (dtype route) |", "| --- | --- |"]
+        for name in sorted(by_route):
+            lines.append(f"| `{name}` | " + ", ".join(f"{k} x{n}" for k, n in sorted(by_route[name].items())) + " |")
     names = {full_name(op): core_op(op) for op in core_opinfos()}
     for name in sorted(by_op):
         base = name.removesuffix(" (grad)")
