@@ -73,7 +73,45 @@ _EXTRA: list[OpOverload | OpOverloadPacket] = [
     aten.as_strided_scatter,
     aten.im2col,
     aten.col2im,
+    aten.round.decimals,
 ]
+
+
+# Backward ops that torch does not decompose, of forward ops that only pick elements (nearest
+# upsampling, replication padding): the forward decomposition run on the positions 0..n-1 says where
+# each output element comes from, and the gradient is the output gradient added back there (a
+# scatter-add), the transpose of that gather.
+def _gather_transpose(forward: Callable[[torch.Tensor], torch.Tensor], grad_output: torch.Tensor,
+                      input_size: list[int]) -> torch.Tensor:
+    numel = 1
+    for s in input_size:
+        numel *= s
+    positions = forward(torch.arange(numel, device=grad_output.device).reshape(input_size))
+    flat = grad_output.new_zeros((numel,))
+    return aten.index_put(flat, [positions.reshape(-1)], grad_output.reshape(-1), True).reshape(input_size)
+
+
+def _upsample_backward(forward: OpOverload) -> Callable:
+    def backward(grad_output: torch.Tensor, output_size: list[int], input_size: list[int],
+                 *scales: float | None) -> torch.Tensor:
+        return _gather_transpose(lambda x: forward(x, output_size, *scales), grad_output, input_size)
+    return backward
+
+
+def _pad_backward(forward: OpOverload) -> Callable:
+    def backward(grad_output: torch.Tensor, x: torch.Tensor, padding: list[int]) -> torch.Tensor:
+        return _gather_transpose(lambda t: forward(t, padding), grad_output, list(x.shape))
+    return backward
+
+
+def _gather_backwards() -> dict[OpOverload, Callable]:
+    table: dict[OpOverload, Callable] = {}
+    for name in ("upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
+                 "_upsample_nearest_exact1d", "_upsample_nearest_exact2d", "_upsample_nearest_exact3d"):
+        table[getattr(aten, name + "_backward").default] = _upsample_backward(getattr(aten, name).default)
+    for name in ("replication_pad1d", "replication_pad2d", "replication_pad3d"):
+        table[getattr(aten, name + "_backward").default] = _pad_backward(getattr(aten, name).default)
+    return table
 
 
 # Multi-tensor ops of the optimizers (Adam(foreach=True), SGD): torch has no decomposition for them,
@@ -129,6 +167,7 @@ def _build() -> dict[OpOverload, Callable]:
     table: dict[OpOverload, Callable] = dict(core_aten_decompositions())
     table.update(get_decompositions(_EXTRA))
     table.update(_foreach_decompositions())
+    table.update(_gather_backwards())
     return table
 
 

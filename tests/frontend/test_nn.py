@@ -123,3 +123,20 @@ def test_adam_foreach_update() -> None:
         return [*params, *ms, *vs]
 
     check(fn, torch.randn(3, 4), torch.randn(3, 4), torch.randn(3, 4), torch.randn(3, 4), torch.rand(3, 4))
+
+
+def test_upsample_and_pad_backward() -> None:
+    """The backwards of nearest upsampling and replication padding (no torch decomposition: a scatter-add
+    of the output gradient to the positions the forward reads) and of reflection padding."""
+    def fn(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> list[torch.Tensor]:
+        def loss(x, y):  # noqa: ANN001, ANN202
+            return ((F.interpolate(x, size=7, mode="nearest") * w).sum()
+                    + F.interpolate(y, scale_factor=2, mode="nearest").square().sum()
+                    + (F.pad(x, (2, 3), mode="replicate") * w[..., :1]).exp().sum()
+                    + F.pad(y, (1, 1, 2, 0), mode="replicate").sin().sum()
+                    + F.pad(y, (1, 2, 2, 1), mode="reflect").square().sum())
+
+        gx, gy = torch.func.grad(loss, argnums=(0, 1))(x, y)
+        return [gx, gy, F.interpolate(y, size=(5, 3), mode="nearest"), F.pad(y, (1, 2, 0, 1), mode="replicate")]
+
+    check(fn, torch.randn(2, 3, 4), torch.randn(1, 2, 3, 4), torch.randn(2, 3, 7))

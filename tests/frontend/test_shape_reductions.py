@@ -84,3 +84,21 @@ def test_linalg(dtype: torch.dtype) -> None:
     tol = 5e-2 if dtype == torch.bfloat16 else None
     check(fn, torch.randn(4, 6, dtype=dtype), torch.randn(6, 5, dtype=dtype), torch.randn(2, 3, 4, dtype=dtype),
           torch.randn(5, dtype=dtype), atol=tol, rtol=tol)
+
+
+def test_index_and_index_put_with_slices() -> None:
+    """x[:, i], x[i, :, j] and their index_put forms: None entries are full slices; the batch dims of the
+    result sit where the indexed dims were when these are adjacent, in front otherwise."""
+    aten = torch.ops.aten
+
+    def fn(x: torch.Tensor, i: torch.Tensor, j: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
+        return [
+            x[:, i], x[:, :, i, j], x[i, :, j], x[:, i, :, j], x[..., j],
+            aten.index_put(x, [None, i], v.expand(3, 2, 2, 5, 6)),
+            aten.index_put(x, [None, None, i, j], v[0, 0, 0, 0, :2], True),
+            aten.index_put(x, [i, None, j], v[0, 0, 0, 0, :4].reshape(2, 2, 1, 1), True),
+            aten.index_put(x, [None, i, None, j], v[0, 0, 0, :, 0], True),
+        ]
+
+    i = torch.tensor([[0, 2], [1, -1]])
+    check(fn, torch.randn(3, 4, 5, 6), i, torch.tensor([1, 0]), torch.randn(1, 1, 1, 5, 6))

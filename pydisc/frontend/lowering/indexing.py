@@ -104,24 +104,58 @@ def _embedding(ctx: LoweringContext, weight: Value, indices: Value, *_: object) 
     )
 
 
+def _batch_moves(batch_rank: int, leading: int, out_rank: int) -> list[int]:
+    """Result dims (batch first, then the untouched dims) reordered so that the batch dims come after the
+    `leading` untouched dims, as torch places them when the indexed dims are adjacent."""
+    batch = list(range(batch_rank))
+    rest = list(range(batch_rank, out_rank))
+    return rest[:leading] + batch + rest[leading:]
+
+
+def _inverse(perm: Sequence[int]) -> list[int]:
+    inverse = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inverse[p] = i
+    return inverse
+
+
+def _front_indexed(b: FunctionBuilder, x: Value, indices: Sequence[Value | None]) -> tuple[Value, list[Value], list[int], int]:
+    """`x` with its indexed dims moved to the front; the index tensors; the permutation used; and the
+    number of untouched dims that torch keeps before the batch dims in the result (0 when the indexed
+    dims are not adjacent)."""
+    indices = list(indices) + [None] * (x.rank - len(indices))
+    positions = [d for d, i in enumerate(indices) if i is not None]
+    rest = [d for d in range(x.rank) if d not in positions]
+    perm = positions + rest
+    adjacent = positions == list(range(positions[0], positions[-1] + 1))
+    moved = x if perm == list(range(x.rank)) else b.transpose(x, perm)
+    return moved, [indices[d] for d in positions], perm, positions[0] if adjacent else 0  # type: ignore[misc]
+
+
 @lowering(aten.index.Tensor, dynamic=True)
 def _index(ctx: LoweringContext, x: Value, indices: Sequence[Value | None]) -> Value:
-    """x[i0, i1, ...] with leading index tensors (broadcast together) and trailing full slices."""
+    """x[i0, i1, ...]: the index tensors (broadcast together) pick along their dims, None entries and
+    trailing dims are full slices."""
     b = ctx.builder
-    count = len(indices)
     if not ctx.out_spec.is_static:
         return _dynamic_index(b, x, indices, ctx.out_spec)  # type: ignore[arg-type]
-    batch = torch.broadcast_shapes(*(i.shape for i in indices))  # type: ignore[union-attr]
+    moved, taken, _, leading = _front_indexed(b, x, indices)
+    count = len(taken)
+    batch = torch.broadcast_shapes(*(i.shape for i in taken))
     columns = [
-        b.reshape(b.broadcast_to(_wrap_negative(b, i, x.shape[d]), batch), (*batch, 1))  # type: ignore[arg-type]
-        for d, i in enumerate(indices)
+        b.reshape(b.broadcast_to(_wrap_negative(b, i, moved.shape[d]), batch), (*batch, 1))
+        for d, i in enumerate(taken)
     ]
     coords = b.concatenate(columns, len(batch))
-    return _gather(
-        b, x, coords, ctx.out_spec, offset_dims=range(len(batch), len(batch) + x.rank - count),
+    gathered_shape = (*batch, *moved.shape[count:])
+    gathered = _gather(
+        b, moved, coords, TensorSpec(gathered_shape, x.dtype), offset_dims=range(len(batch), len(batch) + x.rank - count),
         collapsed=range(count), start_index_map=range(count), index_vector_dim=len(batch),
-        slice_sizes=[1] * count + list(x.shape[count:]),
+        slice_sizes=[1] * count + list(moved.shape[count:]),
     )
+    if leading == 0:
+        return gathered
+    return b.transpose(gathered, _batch_moves(len(batch), leading, len(gathered_shape)))
 
 
 def _dynamic_index(b: FunctionBuilder, x: Value, indices: Sequence[Value], out: TensorSpec) -> Value:
@@ -165,12 +199,21 @@ def _index_select_check(node: torch.fx.Node) -> str | None:
 
 @support_check(aten.index.Tensor)
 def _index_check(node: torch.fx.Node) -> str | None:
-    indices = node.args[1]
-    if any(i is None for i in indices):  # type: ignore[union-attr]
-        return "index with None (slice) entries"
+    return _slices_check(node) or _static_dims(node, 0, range(len(node.args[1]), node.args[0].meta["val"].dim()))  # type: ignore[union-attr, arg-type]
+
+
+def _slices_check(node: torch.fx.Node) -> str | None:
+    """index/index_put: None (full-slice) entries only with static shapes, no boolean masks."""
+    indices = [i for i in node.args[1] if i is not None]  # type: ignore[union-attr]
+    if not indices:
+        return f"{node.target} without index tensors"
     if any(i.meta["val"].dtype == torch.bool for i in indices):  # type: ignore[union-attr]
         return "boolean mask indexing has a data-dependent shape"
-    return _static_dims(node, 0, range(len(indices), node.args[0].meta["val"].dim()))  # type: ignore[union-attr]
+    if len(indices) < len(node.args[1]):  # type: ignore[arg-type]
+        for n in (node.args[0], *indices, node):
+            if any(not isinstance(size_of(d), int) for d in n.meta["val"].shape):  # type: ignore[union-attr]
+                return f"{node.target} with None (slice) entries and dynamic sizes"
+    return None
 
 
 def scatter(
@@ -258,6 +301,8 @@ def _index_put(ctx: LoweringContext, x: Value, indices: Sequence[Value], values:
     """x[i0, i1, ...] = values (or += with `accumulate`): a scatter of the broadcast values at the
     coordinates given by the leading index tensors (torch's embedding backward is one)."""
     b = ctx.builder
+    if any(i is None for i in indices):
+        return _index_put_slices(b, x, indices, values, accumulate)
     count = len(indices)
     shapes = [i.shape for i in indices]
     if all(is_static(s) for s in shapes):
@@ -276,6 +321,32 @@ def _index_put(ctx: LoweringContext, x: Value, indices: Sequence[Value], values:
     if pinned != list(batch):
         batch = tuple(pinned)
         indices = [b.cast(b.broadcast_to(i, shapes[0]), TensorSpec(batch, i.dtype)) for i in indices]
+    updates = b.broadcast_to(b.convert(values, x.dtype), (*batch, *x.shape[count:]))
+    return _put_rows(b, x, indices, batch, updates, accumulate)
+
+
+def _index_put_slices(b: FunctionBuilder, x: Value, indices: Sequence[Value | None], values: Value,
+                      accumulate: bool) -> Value:
+    """index_put with None (full-slice) entries, static shapes: the indexed dims are moved to the front,
+    the values into the same order, and the result back."""
+    moved, taken, perm, leading = _front_indexed(b, x, indices)
+    count = len(taken)
+    batch = tuple(torch.broadcast_shapes(*(i.shape for i in taken)))
+    shape = (*batch, *moved.shape[count:])
+    values = b.convert(values, x.dtype)
+    if leading:
+        moves = _batch_moves(len(batch), leading, len(shape))
+        updates = b.transpose(b.broadcast_to(values, [shape[m] for m in moves]), _inverse(moves))
+    else:
+        updates = b.broadcast_to(values, shape)
+    return b.transpose(_put_rows(b, moved, taken, batch, updates, accumulate), _inverse(perm))
+
+
+def _put_rows(b: FunctionBuilder, x: Value, indices: Sequence[Value], batch: Sequence, updates: Value,
+              accumulate: bool) -> Value:
+    """Scatter `updates` (batch + the trailing dims of `x`) into `x` at the rows picked by the index
+    tensors of its leading dims (broadcast to `batch`)."""
+    count = len(indices)
     if count == 1:
         coords = b.broadcast_to(_wrap_negative(b, indices[0], x.shape[0]), batch)
     else:
@@ -283,7 +354,6 @@ def _index_put(ctx: LoweringContext, x: Value, indices: Sequence[Value], values:
             b.reshape(b.broadcast_to(_wrap_negative(b, i, x.shape[d]), batch), (*batch, 1)) for d, i in enumerate(indices)
         ]
         coords = b.concatenate(columns, len(batch))
-    updates = b.broadcast_to(b.convert(values, x.dtype), (*batch, *x.shape[count:]))
     window = range(len(batch), len(batch) + x.rank - count)
     numbers = (
         f"#stablehlo.scatter<update_window_dims = {_dims(window)}, inserted_window_dims = {_dims(range(count))}, "
@@ -296,14 +366,10 @@ def _index_put(ctx: LoweringContext, x: Value, indices: Sequence[Value], values:
 
 @support_check(aten.index_put.default)
 def _index_put_check(node: torch.fx.Node) -> str | None:
-    indices = node.args[1]
-    if any(i is None for i in indices):  # type: ignore[union-attr]
-        return "index_put with None (slice) entries"
-    if any(i.meta["val"].dtype == torch.bool for i in indices):  # type: ignore[union-attr]
-        return "index_put with a boolean mask"
-    if any(size_of(d) == 0 for i in indices for d in i.meta["val"].shape):  # type: ignore[union-attr]
+    reason = _slices_check(node)
+    if reason is None and any(size_of(d) == 0 for i in node.args[1] if i is not None for d in i.meta["val"].shape):  # type: ignore[union-attr]
         return "empty index tensor"
-    return None
+    return reason
 
 
 @lowering(aten.as_strided.default, aten.as_strided_copy.default)
