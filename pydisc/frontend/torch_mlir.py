@@ -108,6 +108,27 @@ def _mask_index(node: torch.fx.Node) -> bool:
                for n in node.all_input_nodes[1:])
 
 
+def _returns_alias(op: object) -> bool:
+    return isinstance(op, torch._ops.OpOverload) and any(r.alias_info is not None for r in op._schema.returns)
+
+
+def _written_through(node: torch.fx.Node) -> bool:
+    """Whether an op mutates `node`'s value, directly or through views of it: the functional graph
+    keeps a few writes into views (`prims.copy_to(diagonal(x), g)` in diagonal's backward), which rely
+    on the view aliasing its base, and a region's outputs are fresh tensors."""
+    stack, seen = [node], set()
+    while stack:
+        for user in stack.pop().users:
+            if user in seen or user.op != "call_function":
+                continue
+            seen.add(user)
+            if isinstance(user.target, torch._ops.OpOverload) and user.target._schema.is_mutable:
+                return True
+            if user.target is operator.getitem or _returns_alias(user.target):
+                stack.append(user)
+    return False
+
+
 def torch_mlir_reason(node: torch.fx.Node) -> str | None:
     """None if the torch-mlir route may take `node`, else a short reason (a pure predicate)."""
     if _IMPORT_ERROR is not None:
@@ -128,6 +149,8 @@ def torch_mlir_reason(node: torch.fx.Node) -> str | None:
         return "mutates an argument"
     if op in _WRONG_VALUES:
         return "torch-mlir's code for it is wrong (values, or writes its input)"
+    if _returns_alias(op) and _written_through(node):
+        return "a view that a later op writes through (a compiled view is a copy)"
     for value in [node.meta["val"], *(n.meta.get("val") for n in node.all_input_nodes)]:
         reason = _value_reason(value)
         if reason is not None:

@@ -203,6 +203,19 @@ def test_known_wrong_ops_stay_eager(monkeypatch):
     assert pydisc.metrics()["fallback_ops"].get("aten.scatter_reduce.two") == 1
 
 
+def test_view_written_through_stays_eager(monkeypatch):
+    # diagonal's backward writes the gradient into a diagonal view of zeros (prims.copy_to): a region
+    # would return the view as a copy and the write would be lost
+    hide(monkeypatch, aten.diagonal.default)
+    x = torch.randn(5, 5, requires_grad=True)
+    lx = pydisc.to_lazy(x.detach().clone()).requires_grad_()
+    grad, = torch.autograd.grad(torch.diagonal(lx, 1).sum(), lx)
+    pydisc.mark_step()
+    expected, = torch.autograd.grad(torch.diagonal(x, 1).sum(), x)
+    torch.testing.assert_close(grad.cpu(), expected)
+    assert "aten.diagonal.default" not in pydisc.metrics()["torch_mlir_ops"]
+
+
 def test_data_dependent_and_random_ops_are_not_taken():
     from torch.fx.experimental.proxy_tensor import make_fx
 
