@@ -1,11 +1,12 @@
 """The full OpInfo sweep over the Core ATen ops; writes docs/ops.md.
 
-    python -m tests.opinfo.sweep [--samples N] [--ops NAME,...] [--out docs/ops.md] [--log FILE]
+    python -m tests.opinfo.sweep [--samples N] [--ops NAME,...] [--out docs/ops.md] [--log FILE] [--jobs N]
 
 Every selected OpInfo entry (see core_ops.py) runs in float32, float16, bfloat16, int64, int32 and bool
 where it supports them, forward and (for differentiable float ops) forward + backward, up to N samples
 per case. Each case prints one line as it finishes; `--log` also writes the details of every
-non-compiled sample.
+non-compiled sample. `--jobs N` runs the ops in N worker processes (one op per task); the results come
+out in the same order as with one process.
 """
 from __future__ import annotations
 
@@ -52,6 +53,44 @@ def sweep(ops: list, samples: int, log) -> list[CaseResult]:
                             log.write(json.dumps({"op": case.op, "dtype": SHORT[dtype], "grad": grad,
                                                   "kind": o.kind, "route": o.route, "detail": o.detail}) + "\n")
                     log.flush()
+    return results
+
+
+class _Lines:
+    """A log that keeps its lines, so that a worker's log reaches the parent with its results."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def write(self, text: str) -> None:
+        self.lines.append(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def _sweep_one(task: tuple[int, int, bool]) -> tuple[list[CaseResult], list[str]]:
+    """Worker: every case of the `index`-th selected OpInfo entry."""
+    index, samples, logging = task
+    lines = _Lines()
+    return sweep([core_opinfos()[index]], samples, lines if logging else None), lines.lines
+
+
+def sweep_parallel(ops: list, samples: int, log, jobs: int) -> list[CaseResult]:
+    """`sweep` over `jobs` worker processes (spawned: IREE's runtime threads do not survive a fork), one
+    op per task; results and log lines are merged in the order of `ops`, as `sweep` gives them."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    position = {id(op): i for i, op in enumerate(core_opinfos())}
+    tasks = [(position[id(op)], samples, log is not None) for op in ops]
+    results: list[CaseResult] = []
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for cases, lines in pool.map(_sweep_one, tasks):
+            results.extend(cases)
+            if log is not None:
+                log.write("".join(lines))
+                log.flush()
     return results
 
 
@@ -165,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ops", default="", help="comma-separated OpInfo names (default: all core ops)")
     parser.add_argument("--out", default="docs/ops.md", help="'' to write nothing")
     parser.add_argument("--log", default="", help="JSON lines with every non-compiled sample")
+    parser.add_argument("--jobs", type=int, default=1, help="worker processes, each taking one op at a time")
     args = parser.parse_args(argv)
     ops = core_opinfos()
     if args.ops:
@@ -172,9 +212,13 @@ def main(argv: list[str] | None = None) -> int:
         ops = [op for op in ops if full_name(op) in wanted or op.name in wanted]
     log = open(args.log, "w") if args.log else None
     started = time.perf_counter()
-    results = sweep(ops, args.samples, log)
+    if args.jobs > 1:
+        results = sweep_parallel(ops, args.samples, log, args.jobs)
+    else:
+        results = sweep(ops, args.samples, log)
     seconds = time.perf_counter() - started
-    command = "python -m tests.opinfo.sweep" + (f" --samples {args.samples}" if args.samples != 4 else "")
+    command = "python -m tests.opinfo.sweep" + (f" --samples {args.samples}" if args.samples != 4 else "") \
+        + (f" --jobs {args.jobs}" if args.jobs > 1 else "")
     text = render(results, command, args.samples, seconds)
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
