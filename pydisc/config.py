@@ -30,6 +30,9 @@ class Config:
     # on CUDA, matmuls and convolutions run in torch (cuBLAS/cuDNN, several times faster than IREE's
     # code) between compiled clusters; "iree" keeps them inside the clusters
     gpu_matmul: str = _env("PYDISC_GPU_MATMUL", "torch")
+    # on CUDA, how compiled clusters run: "direct" launches IREE's kernels on torch's current stream
+    # (pydisc/exec/direct), "iree" calls IREE's runtime (its own stream, a host sync per call)
+    gpu_executor: str = _env("PYDISC_GPU_EXECUTOR", "direct")
     # the torch-mlir route: ops with no StableHLO rule are compiled through torch-mlir's FX importer
     # (frontend/torch_mlir.py) instead of running eagerly, where it can
     torch_mlir: bool = _env("PYDISC_TORCH_MLIR", "1") != "0"

@@ -52,6 +52,11 @@ def metrics_report(top: int = 10) -> str:
         lines.append("  recompiles           %d" % len(m.recompiles))
         for reason in m.recompiles[-3:]:
             lines.append("    " + reason)
+    if m.direct_launches or m.direct_launch_fallbacks:
+        lines.append("  direct GPU launches  %d kernels/copies on torch's stream%s" % (
+            m.direct_launches, "; through IREE's runtime: " + ", ".join(
+                "%s x%d" % kv for kv in m.direct_launch_fallbacks.most_common(top))
+            if m.direct_launch_fallbacks else ""))
     if m.compile_failures:
         lines.append("  compile failures     " + ", ".join("%s x%d" % kv for kv in m.compile_failures.items()))
     if m.numerics_checks:

@@ -24,7 +24,8 @@ from .disk_cache import DiskCache, cache_key, configured_disk_cache
 from .errors import CompileError
 from .module import CompiledModule
 from .session import DeviceSession, session_for
-from .target import Target, target_for
+from .direct.module import compile_bundle, load_bundle
+from .target import CUDA_DIRECT_TARGET, Target, target_for
 
 __all__ = ["compile_module", "clear_cache", "text_hash"]
 
@@ -60,7 +61,7 @@ def compile_module(text: str, device: torch.device | str, input_type: str = "sta
     target = target_for(device)
     session = session_for(device)
     digest = text_hash(text)
-    key = (digest, input_type, target.flags)
+    key = (digest, input_type, target.name, target.flags)
     with _LOCK:
         module = _MODULE_CACHE.get((*key, session.device))
         if module is not None:
@@ -80,7 +81,7 @@ def compile_module(text: str, device: torch.device | str, input_type: str = "sta
             _VMFB_CACHE[key] = module.vmfb
         else:
             _count_hit()
-            module = CompiledModule(vmfb, session, name=name)
+            module = _module(vmfb, target, session, name)
         _MODULE_CACHE[(*key, session.device)] = module
         return module
 
@@ -90,28 +91,38 @@ def _load_from_disk_or_compile(
 ) -> CompiledModule:
     cache: DiskCache | None = configured_disk_cache()
     if cache is None:
-        return CompiledModule(_compile(text, digest, input_type, target), session, name=name)
+        return _module(_compile(text, digest, input_type, target), target, session, name)
     disk_key = cache_key(digest, target, input_type)
-    module = _load_from_disk(cache, disk_key, session, name)
+    module = _load_from_disk(cache, disk_key, target, session, name)
     if module is not None:
         return module
     with cache.compiling(disk_key):
         # another process (a rank of the same job) may have compiled it while this one waited
-        module = _load_from_disk(cache, disk_key, session, name)
+        module = _load_from_disk(cache, disk_key, target, session, name)
         if module is not None:
             return module
         vmfb = _compile(text, digest, input_type, target)
-        module = CompiledModule(vmfb, session, name=name)
+        module = _module(vmfb, target, session, name)
         cache.put(disk_key, vmfb)  # only modules that load are worth keeping
     return module
 
 
-def _load_from_disk(cache: DiskCache, disk_key: str, session: DeviceSession, name: str) -> CompiledModule | None:
+def _module(vmfb: bytes, target: Target, session: DeviceSession, name: str):
+    """The loaded module: `CompiledModule` (IREE's runtime) or, for CUDA_DIRECT_TARGET, a `DirectModule`
+    launching the kernels itself (IREE's runtime when the launcher cannot read this module)."""
+    if target is CUDA_DIRECT_TARGET:
+        return load_bundle(vmfb, session, name, CompiledModule)
+    return CompiledModule(vmfb, session, name=name)
+
+
+def _load_from_disk(
+    cache: DiskCache, disk_key: str, target: Target, session: DeviceSession, name: str
+) -> CompiledModule | None:
     vmfb = cache.get(disk_key)  # CacheDirError for an unsafe folder: the user must fix it
     if vmfb is None:
         return None
     try:
-        module = CompiledModule(vmfb, session, name=name)
+        module = _module(vmfb, target, session, name)
     except Exception:  # noqa: BLE001 - an intact entry this runtime cannot load: compile afresh
         cache.discard(disk_key)
         return None
@@ -130,7 +141,10 @@ def _compile(text: str, digest: str, input_type: str, target: Target) -> bytes:
     dump_path = _dump(text, digest)
     start = time.perf_counter()
     try:
-        vmfb = ireec.compile_str(text, input_type=input_type, extra_args=list(target.flags))
+        if target is CUDA_DIRECT_TARGET:  # the same .vmfb, plus the launch schedule read from its host code
+            vmfb = compile_bundle(ireec.compile_str, text, input_type, target.flags)
+        else:
+            vmfb = ireec.compile_str(text, input_type=input_type, extra_args=list(target.flags))
     except Exception as e:  # CompilerToolError; anything else from the compiler is handled the same
         if input_type == "stablehlo":
             # A torch-mlir region that IREE rejects is an expected outcome of that route, counted by

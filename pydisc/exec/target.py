@@ -8,7 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Target", "target_for", "CPU_DRIVER", "CPU_TARGET", "CUDA_TARGET"]
+from ..config import CONFIG
+
+__all__ = ["Target", "target_for", "CPU_DRIVER", "CPU_TARGET", "CUDA_TARGET", "CUDA_DIRECT_TARGET"]
 
 # local-sync runs dispatches on the calling thread, local-task on a worker pool. Per CompiledModule.run
 # (tests/exec/bench_call_overhead.py):
@@ -48,13 +50,29 @@ CUDA_TARGET = Target(
 )
 
 
+# The same code, with the kernels launched by pydisc on torch's stream (pydisc/exec/direct): the module is
+# compiled through IREE's host code, which the launcher reads. Constant expressions stay inside the
+# kernels instead of becoming buffers that IREE's runtime initialises (an `as_strided` index table, say):
+# the launcher has no such buffers. (Cheaper too: a kernel recomputes iota arithmetic faster than it
+# reads a table.)
+CUDA_DIRECT_TARGET = Target(
+    name="cuda-direct",
+    flags=(*CUDA_TARGET.flags, "--iree-opt-const-eval=false", "--iree-opt-const-expr-hoisting=false"),
+    driver="cuda",
+)
+
+
 def target_for(device: torch.device | str) -> Target:
     """The target that compiles code for tensors living on `device`."""
     device = torch.device(device)
     if device.type == "cpu":
         return CPU_TARGET
     if device.type == "cuda":
-        return CUDA_TARGET
+        if CONFIG.gpu_executor == "iree":
+            return CUDA_TARGET
+        if CONFIG.gpu_executor != "direct":
+            raise ValueError("PYDISC_GPU_EXECUTOR=%s: use direct (the default) or iree" % CONFIG.gpu_executor)
+        return CUDA_DIRECT_TARGET
     raise ValueError(
         f"pydisc cannot compile for device {device}: only cpu and cuda tensors are supported; "
         "keep tensors on other devices in eager mode"
