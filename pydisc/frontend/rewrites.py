@@ -107,6 +107,19 @@ def _batch_norm(func, args, kwargs):
     return aten._native_batch_norm_legit.default(*(values[n] for n in names))
 
 
+def _batch_norm_eval_cpu(func, args, kwargs):
+    """In eval mode the CPU kernels of _native_batch_norm_legit(_no_training) return empty saved
+    statistics, where their meta kernels (what recording sees) promise [C]: give eager's (0,)."""
+    x = args[0]
+    training = args[5] if func is aten._native_batch_norm_legit.default and len(args) > 5 else \
+        kwargs.get("training", False)
+    if not isinstance(x, LazyTensor) or x.device.type != "cpu" or training:
+        return NotImplemented
+    out, mean, rstd = _record(func, *args, **kwargs)
+    empty = [_record(aten.new_zeros.default, x, [0], dtype=t.dtype) for t in (mean, rstd)]
+    return out, empty[0], empty[1]
+
+
 def _cudnn_batch_norm(func, args, kwargs):
     """On CUDA, F.batch_norm picks cudnn_batch_norm, whose schema hides its writes to the running
     statistics too: record it as the op whose schema declares them. Its 4th output (cuDNN's reserve
@@ -190,6 +203,8 @@ def install_rewrites() -> None:
         r[getattr(aten, "addcdiv" + inplace).default] = _addc(aten.div.Tensor, add)
     RECORDER.foreach_rewrite = _foreach     # matched by name: aten's namespace loads ops lazily
     r[aten.native_batch_norm.default] = _batch_norm
+    r[aten._native_batch_norm_legit.default] = _batch_norm_eval_cpu
+    r[aten._native_batch_norm_legit_no_training.default] = _batch_norm_eval_cpu
     for name in ("squeeze_", "unsqueeze_", "t_", "transpose_", "swapdims_", "swapaxes_", "as_strided_"):
         packet = getattr(aten, name, None)
         if packet is None:

@@ -188,6 +188,20 @@ def test_cudnn_batch_norm_records_running_stat_updates():
         torch.testing.assert_close(lt.grad.cpu(), t.grad, rtol=1e-4, atol=1e-5)
 
 
+def test_batch_norm_eval_saved_statistics_as_eager():
+    # in eval mode the CPU kernels return empty saved statistics; their meta kernels promise [C]
+    aten = torch.ops.aten
+    x, w, b, rm, rv = torch.randn(3, 2, 4), torch.rand(2), torch.rand(2), torch.randn(2), torch.rand(2) + 0.5
+    for op, args in ((aten._native_batch_norm_legit.default, (x, w, b, rm, rv, False, 0.1, 1e-5)),
+                     (aten._native_batch_norm_legit_no_training.default, (x, w, b, rm, rv, 0.1, 1e-5))):
+        eager = op(*args)
+        got = op(*(lazy(a) if isinstance(a, torch.Tensor) else a for a in args))
+        assert [t.shape for t in got] == [t.shape for t in eager]
+        pydisc.mark_step()
+        assert [t.cpu().shape for t in got] == [t.shape for t in eager]
+        assert_same(got[0], eager[0])
+
+
 def test_eager_inplace_fallback_runs_pending_readers_first(monkeypatch):
     # an in-place op with no meta kernel runs eagerly on the device data; pending ops that read the
     # old value must run before it writes

@@ -102,3 +102,15 @@ def test_index_and_index_put_with_slices() -> None:
 
     i = torch.tensor([[0, 2], [1, -1]])
     check(fn, torch.randn(3, 4, 5, 6), i, torch.tensor([1, 0]), torch.randn(1, 1, 1, 5, 6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bool])
+def test_scatter_reduce(dtype: torch.dtype) -> None:
+    """Every reduction, with and without the input's own values; integer mean divides with floor."""
+    def fn(x: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> list[torch.Tensor]:
+        reductions = ("sum", "prod", "amax", "amin") + (() if dtype == torch.bool else ("mean",))
+        return [x.scatter_reduce(1, index, src, r, include_self=s) for r in reductions for s in (True, False)] + \
+            [x[0, 0].scatter_reduce(0, index[0, :1] * 0, src[0, 0], "sum")]
+
+    x, src = (torch.randn(4, 5) * 5).to(dtype), (torch.randn(4, 6) * 5).to(dtype)
+    check(fn, x, torch.randint(0, 5, (4, 3)), src)

@@ -32,6 +32,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 import pydisc
+from pydisc.config import CONFIG
 from pydisc.frontend.lazy_tensor import RECORDER
 
 __all__ = ["DTYPES", "Outcome", "CaseResult", "run_case", "case_dtypes", "RANDOM_OPS", "UNINITIALIZED_OPS"]
@@ -297,8 +298,15 @@ def run_case(op: Any, dtype: torch.dtype, *, grad: bool = False, max_samples: in
     if not samples:
         return result
     values = op.name not in UNINITIALIZED_OPS
-    outcomes, attributed = _run_batch(op, samples, grad, values)
-    if not attributed:
-        outcomes = [_run_batch(op, [s], grad, values)[0][0] for s in samples]
+    # Static plans only: cases of one structure and other sizes (interpolate then upsample, a batch
+    # then its samples one by one) would otherwise meet the dynamic-shape policy, whose first step with
+    # a changed dim runs eagerly and counts as neither compiled nor fallback.
+    dynamic, CONFIG.dynamic = CONFIG.dynamic, False
+    try:
+        outcomes, attributed = _run_batch(op, samples, grad, values)
+        if not attributed:
+            outcomes = [_run_batch(op, [s], grad, values)[0][0] for s in samples]
+    finally:
+        CONFIG.dynamic = dynamic
     result.outcomes = outcomes
     return result

@@ -5,6 +5,7 @@ whose index vectors hold a full coordinate: the index tensor along `dim`, an iot
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -289,7 +290,59 @@ def _scatter_add(ctx: LoweringContext, x: Value, dim: int, index: Value, src: Va
     return scatter(ctx.builder, x, dim, index, _updates(ctx.builder, src, index, x.dtype), add)
 
 
-@support_check(aten.scatter.value, aten.scatter.src, aten.scatter_add.default, aten.gather.default)
+def _reduce_identity(reduce: str, dtype: torch.dtype) -> float | int | bool:
+    if dtype == torch.bool:
+        return reduce in ("prod", "amin")
+    if reduce in ("sum", "mean"):
+        return 0
+    if reduce == "prod":
+        return 1
+    if dtype.is_floating_point:
+        return -math.inf if reduce == "amax" else math.inf
+    info = torch.iinfo(dtype)
+    return info.min if reduce == "amax" else info.max
+
+
+def _reduce_combine(reduce: str, dtype: torch.dtype) -> Callable[..., Value]:
+    if dtype == torch.bool:   # bool sum/max saturate (or), prod/min are and
+        name = "or" if reduce in ("sum", "mean", "amax") else "and"
+    else:
+        name = {"sum": "add", "mean": "add", "prod": "multiply", "amax": "maximum", "amin": "minimum"}[reduce]
+    return lambda b, u, v: b.binary(name, u, v)
+
+
+@lowering(aten.scatter_reduce.two)
+def _scatter_reduce(ctx: LoweringContext, x: Value, dim: int, index: Value, src: Value, reduce: str, *,
+                    include_self: bool = True) -> Value:
+    """torch.scatter_reduce: a scatter that combines with sum/prod/amax/amin; without `include_self`
+    the positions written are first set to the combination's identity. `mean` is the sum divided by
+    the number of values combined (floor division for integers, as torch)."""
+    b = ctx.builder
+    shape = x.shape
+    if x.rank == 0:
+        x, index, src = (b.reshape(v, (1,)) for v in (x, index, src))
+    dim = normalize_dim(dim, x.rank)
+    updates = _updates(b, src, index, x.dtype)
+    base = x
+    if not include_self:
+        identity = b.full(index.shape, _reduce_identity(reduce, x.dtype), x.dtype)
+        base = scatter(b, x, dim, index, identity, None)
+    out = scatter(b, base, dim, index, updates, _reduce_combine(reduce, x.dtype))
+    if reduce == "mean":
+        count = scatter(b, b.full(x.shape, 1 if include_self else 0, x.dtype), dim, index,
+                        b.full(index.shape, 1, x.dtype), _reduce_combine("sum", x.dtype))
+        count = b.binary("maximum", count, b.full(x.shape, 1, x.dtype))
+        quotient = b.binary("divide", out, count)
+        if not x.dtype.is_floating_point:   # floor: truncation rounds up for a negative inexact quotient
+            inexact = b.compare("NE", b.binary("multiply", quotient, count), out)
+            negative = b.compare("LT", out, b.full(x.shape, 0, x.dtype))
+            quotient = b.select(b.binary("and", inexact, negative),
+                                b.binary("subtract", quotient, b.full(x.shape, 1, x.dtype)), quotient)
+        out = quotient
+    return b.reshape(out, shape) if len(shape) == 0 else out
+
+
+@support_check(aten.scatter.value, aten.scatter.src, aten.scatter_add.default, aten.gather.default, aten.scatter_reduce.two)
 def _no_empty_index(node: torch.fx.Node) -> str | None:
     if any(size_of(d) == 0 for d in node.args[2].meta["val"].shape):  # type: ignore[union-attr]
         return "empty index tensor"
