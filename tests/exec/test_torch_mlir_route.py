@@ -241,3 +241,18 @@ def test_input_type_is_part_of_the_cache_key():
     digest = "0" * 64
     assert cache_key(digest, CPU_TARGET, "torch") != cache_key(digest, CPU_TARGET, "stablehlo")
     assert cache_key(digest, CPU_TARGET) == cache_key(digest, CPU_TARGET, "stablehlo")
+
+
+def test_opinfo_harness_reports_the_route_of_each_sample(monkeypatch):
+    pytest.importorskip("expecttest")  # needed by torch's op_db
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    from tests.opinfo.harness import full_name, run_case
+
+    tanh = next(op for op in op_db if full_name(op) == "tanh")
+    assert {(o.kind, o.route) for o in run_case(tanh, torch.float32, max_samples=2).outcomes} == \
+        {("compiled", "stablehlo")}
+    hide(monkeypatch, aten.tanh.default)
+    clear_plans()                       # the plans of the first run would be reused
+    assert {(o.kind, o.route) for o in run_case(tanh, torch.float32, max_samples=2).outcomes} == \
+        {("compiled", "torch-mlir")}
