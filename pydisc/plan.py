@@ -317,6 +317,10 @@ def plan_graph(gm: torch.fx.GraphModule, device: torch.device, sources: list[str
             plan.library_ops[str(node.target)] += 1
             return
         op = str(node.target)
+        if getattr(node.target, "is_view", False) and op not in part.reasons:
+            # a view the emitter could compile, left out of every cluster because it only feeds torch
+            # (the input of a cuDNN convolution, say): metadata, not a fallback
+            return
         plan.eager_ops[op] += 1
         entry = node.meta.get("pydisc_entry")
         if entry is not None and entry < len(sources) and sources[entry]:
