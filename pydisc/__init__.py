@@ -17,6 +17,7 @@ from .frontend.lazy_tensor import to_lazy as _to_lazy
 from .frontend.rewrites import install_rewrites
 from .metrics import METRICS
 from .module import lazy
+from .optimizer_state import install_optimizer_hook
 from .report import metrics_report
 from .step import run_pending
 
@@ -26,6 +27,7 @@ __version__ = "0.1.0"
 
 install_rewrites()
 install_collectives()     # after the rewrites: it wraps any rewrite of copy_
+install_optimizer_hook()
 
 
 @atexit.register

@@ -295,7 +295,7 @@ def plan_graph(gm: torch.fx.GraphModule, device: torch.device, sources: list[str
     nodes such as `aten.sym_size.int`): its clusters are then compiled once with dynamic dimensions and
     the plan runs at every size. `sources[i]` is the user source line of program entry i (nodes carry
     `meta["pydisc_entry"]`); `step_id` names the dump files."""
-    from .cluster import add_torch_mlir_regions, is_host_scalar, partition_graph
+    from .cluster import add_torch_mlir_regions, is_host_scalar, partition_graph, partition_regions
     from .exec import compile_module
     from .frontend.emit import emit_cluster, unsupported_reason
 
@@ -390,12 +390,13 @@ def plan_graph(gm: torch.fx.GraphModule, device: torch.device, sources: list[str
         METRICS.ops_stablehlo += len(ops)
         summary.append("  %s: %d ops compiled: %s" % (name, len(ops), ", ".join(sorted(set(op_names)))))
 
-    def compile_region(name: str) -> None:
+    def compile_region(parent: torch.fx.GraphModule, name: str) -> None:
         """A torch-mlir region: compiled, or left to eager (warned once, counted) when torch-mlir's
-        importer or IREE rejects it."""
-        from .frontend.torch_mlir import import_region
+        importer or IREE rejects it; when the failure names an op, the other ops of the region are
+        partitioned again without it (`note_rejection`)."""
+        from .frontend.torch_mlir import import_region, note_rejection, op_key, torch_mlir_reason
 
-        sub = getattr(fused, name)
+        sub = getattr(parent, name)
         ops = [n for n in sub.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
         op_names = sorted({str(n.target) for n in ops})
         t0 = time.perf_counter()
@@ -407,11 +408,24 @@ def plan_graph(gm: torch.fx.GraphModule, device: torch.device, sources: list[str
             detail = getattr(exc, "diagnostics", None) or str(exc)   # IREE's own message first
             first_line = detail.strip().splitlines()[0][:300] if detail.strip() else ""
             path = _dump("step%d_%s.failed.txt" % (step_id, name), "%s\n\n%s" % (exc, sub.code), failure=True)
-            warn_once("region:" + ",".join(op_names)[:120],
+            rejected = note_rejection(exc)
+            warn_once("region:" + (rejected or ",".join(op_names)[:120]),
                       "pydisc: a region of %d ops (%s) has no StableHLO rule and torch-mlir could not compile "
-                      "it either; it runs eagerly (%s: %s); IR dump: %s" % (
-                          len(ops), ", ".join(op_names[:6]), type(exc).__name__, first_line, path))
-            METRICS.torch_mlir_failures["%s (%s)" % (", ".join(op_names[:3]), type(exc).__name__)] += 1
+                      "it either; %s runs eagerly (%s: %s); IR dump: %s" % (
+                          len(ops), ", ".join(op_names[:6]), rejected or "it", type(exc).__name__, first_line, path))
+            METRICS.torch_mlir_failures["%s (%s)" % (rejected or ", ".join(op_names[:3]), type(exc).__name__)] += 1
+            named = [n for n in ops if op_key(n.target) == rejected]
+            if named and len(named) < len(ops):
+                inner = partition_regions(sub, device, torch_mlir_reason, CONFIG.min_cluster_ops)
+                for node in inner.graph_module.graph.nodes:
+                    if node.op == "call_function" and str(node.target) in inner.eager_ops:
+                        note_eager(node)
+                setattr(parent, name, inner.graph_module)
+                summary.append("  %s: %d ops, partitioned again without %s after: %s" % (
+                    name, len(ops), rejected, first_line))
+                for inner_name in inner.regions:
+                    compile_region(inner.graph_module, inner_name)
+                return
             for n in ops:
                 note_eager(n)
             summary.append("  %s: %d ops, EAGER after torch-mlir failure: %s" % (name, len(ops), first_line))
@@ -419,7 +433,7 @@ def plan_graph(gm: torch.fx.GraphModule, device: torch.device, sources: list[str
         log("compiles", "torch-mlir region %s: %d ops, %d inputs, %d outputs, %.2f s", name, len(ops),
             len(region.inputs), len(region.outputs), time.perf_counter() - t0)
         record_cluster(region.text, device, region.input_type)
-        setattr(fused, name, CompiledRegion(name, compiled, region, device, sub,
+        setattr(parent, name, CompiledRegion(name, compiled, region, device, sub,
                                             demote=lambda: [note_eager(n) for n in ops]))
         plan.regions += 1
         METRICS.ops_torch_mlir += len(ops)
@@ -429,7 +443,7 @@ def plan_graph(gm: torch.fx.GraphModule, device: torch.device, sources: list[str
     for k, name in enumerate(part.clusters):
         compile_into(fused, name, k, len(part.clusters))
     for name in part.regions:
-        compile_region(name)
+        compile_region(fused, name)
     METRICS.clusters += plan.clusters + plan.regions
     METRICS.clusters_stablehlo += plan.clusters
     METRICS.clusters_torch_mlir += plan.regions

@@ -18,7 +18,7 @@ from .config import CONFIG
 from .diagnostics import explain_recompile, log, warn_once
 from .frontend.lazy_tensor import (PRUNE_FIRST_AT, RECORDER, LazyTensor, _flat_base, _layout, _view_of_base,
                                    set_executor)
-from . import dynamic
+from . import dynamic, optimizer_state
 from .dynamic import Binding
 from .frontend.replay import NotDynamic, Program, concrete_program, program_from_trace, symbolic_program
 from .frontend.trace import LazyStorage, Trace
@@ -156,19 +156,25 @@ def _select_outputs(trace: Trace, executed: list[int], remaining: list[int]) -> 
 def run_pending(target: LazyTensor | None = None, reason: str = "mark_step") -> None:
     """Run the pending trace (all of it, or what `target` needs) and bind the results.
 
-    If that fails (an error in the user's own op, an eager input changed under the step, an
-    interrupt), the pending step is abandoned: lazy tensors keep the values of the last completed step,
-    results of the abandoned one can no longer be read, and the next step starts clean."""
+    If that fails (an error in the user's own op, an eager input changed under the step, out of memory,
+    an interrupt), the pending step is abandoned: lazy tensors keep the values of the last completed
+    step (and optimizers their eager step counters, `optimizer_state`), results of the abandoned one can
+    no longer be read, and the next step starts clean."""
     with RECORDER.lock:
+        trace = RECORDER.trace
         try:
-            if RECORDER.trace.entries:
-                _run(RECORDER.trace, target)
-        except BaseException:
+            if trace.entries:
+                _run(trace, target)
+        except BaseException as exc:
             RECORDER.new_trace()
             RECORDER.end_step()
+            optimizer_state.abandoned()
+            if _is_out_of_memory(exc):
+                raise _out_of_memory(exc, trace) from exc
             raise
         if reason == "mark_step":
             RECORDER.end_step()
+            optimizer_state.completed()
 
 
 def _run(trace: Trace, target: LazyTensor | None) -> None:
@@ -231,6 +237,10 @@ def _run(trace: Trace, target: LazyTensor | None) -> None:
         if perm is not None:
             results = [results[k] for k in perm]
     except Exception as exc:
+        if _is_out_of_memory(exc):
+            # not a fault of the plan: neither given up for eager (which would need the same memory) nor
+            # counted as a failure; the step is abandoned and the error says where and why (run_pending)
+            raise
         if isinstance(plan.runner, Program) and perm is None and key is not None:
             raise  # eager execution failed: the user's own op raised, as it would without pydisc
         warn_once("run:" + type(exc).__name__,
@@ -248,6 +258,67 @@ def _run(trace: Trace, target: LazyTensor | None) -> None:
     for op, count in plan.library_ops.items():
         METRICS.library_ops[op] += count
     _bind(trace, outputs, results, executed, remaining)
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    from .exec.errors import is_out_of_memory
+    return is_out_of_memory(exc)
+
+
+def _out_of_memory(exc: BaseException, trace: Trace) -> RuntimeError:
+    """The error a step that ran out of memory raises: what ran out (the cluster or eager op, how much it
+    asked for, what the device has left), what became of the user's tensors, and what to do."""
+    from .exec.errors import DeviceOutOfMemoryError
+    device = _step_device(trace)
+    where = getattr(exc, "where", "") or _eager_op_of(exc)
+    nbytes = getattr(exc, "nbytes", None)
+    lines = ["pydisc: out of memory on %s running %s%s." % (
+        device, where or "the step", " (asking for %s)" % _size(nbytes) if nbytes else "")]
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        lines.append("%s has %s free of %s; torch holds %s in tensors and has %s reserved." % (
+            device, _size(free), _size(total), _size(torch.cuda.memory_allocated(device)),
+            _size(torch.cuda.memory_reserved(device))))
+    lines.append("The step was abandoned: parameters, buffers and optimizer state keep the values of the "
+                 "last completed step, and what this step computed has no data.")
+    orphans = sum(1 for ref in trace.tensors.values() if (t := ref()) is not None and t._real is None)
+    if orphans:
+        lines.append("%d tensor%s that this step made %s still referenced and %s no data (the loss, "
+                     "gradients, the state an optimizer creates in its first step): let go of them before "
+                     "the next step (optimizer.zero_grad() drops the gradients; after an optimizer's first "
+                     "step, optimizer.state.clear() drops its state)."
+                     % (orphans, "s" if orphans > 1 else "", "are" if orphans > 1 else "is",
+                        "have" if orphans > 1 else "has"))
+    advice = "Lower the batch size (or the sequence length), or free tensors kept alive between steps"
+    if device.type == "cuda":
+        advice += "; if much memory is reserved but not in tensors, PYTORCH_CUDA_ALLOC_CONF=" \
+                  "expandable_segments:True reduces fragmentation"
+    lines.append(advice + "; then run the step again.")
+    lines.append("(%s: %s)" % (type(exc.__cause__ or exc).__name__, str(exc).strip().splitlines()[0][:300]))
+    return DeviceOutOfMemoryError("\n".join(lines), where=where, nbytes=nbytes)
+
+
+def _eager_op_of(exc: BaseException) -> str:
+    """The ATen op that raised `exc` in an eager part of a plan: the innermost frame of a replayed
+    `Program` (its `fn`) or of a torch.fx graph's generated code (its source line)."""
+    import traceback
+    for frame, _ in reversed(list(traceback.walk_tb(exc.__traceback__))):
+        if frame.f_code is Program.__call__.__code__ and "fn" in frame.f_locals:
+            return "eager op %s" % frame.f_locals["fn"]
+        if frame.f_code.co_filename.startswith("<eval_with_key>"):
+            line = traceback.FrameSummary(frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name,
+                                          lookup_line=True, locals=None).line or ""
+            call = line.partition("=")[2].strip().partition("(")[0]
+            return "eager op %s" % call.removeprefix("torch.ops.") if call else ""
+    return ""
+
+
+def _size(nbytes: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return ("%d %s" if unit == "bytes" else "%.1f %s") % (nbytes, unit)
+        nbytes /= 1024
+    return ""
 
 
 def _concrete_key(trace: Trace, executed: list[int], outputs: tuple) -> tuple:
@@ -325,6 +396,7 @@ def _plan_concrete(trace: Trace, key: tuple, executed: list[int], outputs: tuple
         # Ctrl-C during a long compile: finish this step eagerly, so that everything it made
         # (optimizer state included) holds data, then stop as asked.
         _bind(trace, outputs, program(*inputs), executed, remaining)
+        optimizer_state.completed()
         raise
     _PLANS[key] = plan
     RECORDER.capture_sources = True

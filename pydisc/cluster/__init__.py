@@ -1,4 +1,4 @@
 """Partitioning of a functional graph into compiled clusters, torch-mlir regions and eager ops."""
-from .partition import Partition, add_torch_mlir_regions, is_host_scalar, partition_graph
+from .partition import Partition, add_torch_mlir_regions, is_host_scalar, partition_graph, partition_regions
 
-__all__ = ["Partition", "add_torch_mlir_regions", "is_host_scalar", "partition_graph"]
+__all__ = ["Partition", "add_torch_mlir_regions", "is_host_scalar", "partition_graph", "partition_regions"]

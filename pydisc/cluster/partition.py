@@ -31,7 +31,7 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 from ..config import CONFIG
 
 __all__ = ["FX_PARTITIONER_MAX_NODES", "MAX_CLUSTER_NODES", "Partition", "add_torch_mlir_regions", "is_host_scalar",
-           "partition_graph"]
+           "partition_graph", "partition_regions"]
 
 FX_PARTITIONER_MAX_NODES = 2000
 # iree-compile's time per op grows with the size of the module (llvm-cpu, a chain of small matmuls and
@@ -235,3 +235,10 @@ def add_torch_mlir_regions(part: Partition, device: torch.device,
     merged = {op: reason + ("; torch-mlir: " + reasons[op] if op in reasons else "")
               for op, reason in part.reasons.items() if op in left}
     return Partition(fused, part.clusters, eager, merged, regions)
+
+
+def partition_regions(gm: torch.fx.GraphModule, device: torch.device,
+                      reason_of: Callable[[torch.fx.Node], str | None], min_ops: int = 1) -> Partition:
+    """`add_torch_mlir_regions` over a graph with no clusters: a region that torch-mlir rejected is
+    partitioned again once the op it failed on is refused."""
+    return add_torch_mlir_regions(Partition(gm, [], _eager(gm)), device, reason_of, min_ops)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .compiler import clear_cache, compile_module
 from .disk_cache import CacheInfo, DiskCache, configured_disk_cache
-from .errors import CacheDirError, CacheWarning, CompileError, ExecutionError
+from .errors import CacheDirError, CacheWarning, CompileError, DeviceOutOfMemoryError, ExecutionError
 from .module import CompiledModule
 from .target import Target, target_for
 
@@ -19,6 +19,7 @@ __all__ = [
     "CacheWarning",
     "CompiledModule",
     "CompileError",
+    "DeviceOutOfMemoryError",
     "ExecutionError",
     "Target",
     "target_for",

@@ -13,7 +13,7 @@ import torch
 from torch.utils.dlpack import to_dlpack
 
 from ..metrics import METRICS
-from .errors import CompileError, ExecutionError
+from .errors import CompileError, DeviceOutOfMemoryError, ExecutionError, is_out_of_memory
 from .session import DeviceSession, cuda_context, vm_instance
 from .tensors import ALIGNMENT, StagedOutput, dense_copy, is_dense
 
@@ -120,7 +120,13 @@ class CompiledModule:
 
     def _execution_error(
         self, error: Exception, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]
-    ) -> ExecutionError:
+    ) -> ExecutionError | DeviceOutOfMemoryError:
+        detail = str(error).strip().splitlines()
+        detail_text = "\n".join(detail[:12])
+        if is_out_of_memory(error):
+            # not a fault of the module: the caller must not give up on it (nor run it eagerly instead)
+            return DeviceOutOfMemoryError(f"out of memory on {self.device} in {self.name}: {detail_text}",
+                                          where=self.name)
         wrong = [
             f"{kind}[{i}] on {t.device}"
             for kind, ts in (("inputs", inputs), ("outputs", outputs))
@@ -133,8 +139,6 @@ class CompiledModule:
             else "check that inputs and outputs match the function's signature (count, shapes, dtypes), "
             "or run this cluster eagerly"
         )
-        detail = str(error).strip().splitlines()
-        detail_text = "\n".join(detail[:12])
         return ExecutionError(
             f"IREE failed running @{_ENTRY} of {self.name} on {self.device} with {len(inputs)} inputs and "
             f"{len(outputs)} outputs: {hint}.\nIREE said: {detail_text}",

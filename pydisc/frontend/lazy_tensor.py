@@ -253,6 +253,8 @@ _EAGER_OPS = {
     aten.view.dtype, aten.set_.source_Storage_storage_offset, aten.set_.source_Tensor,
     aten.resize_.default, aten.as_strided_.default, aten._has_compatible_shallow_copy_type.default,
 }
+ABANDONED = ("pydisc: this lazy tensor has no data: the step that computes it was abandoned after an error. "
+             "Recompute it (run the forward pass again) before using it.")
 PRUNE_FIRST_AT = 10_000   # entries of a never-marked trace before the dead ones are first dropped
 _OPINFO: dict[int, OpInfo] = {}    # id(OpOverload) -> facts; overloads live as long as the process
 
@@ -381,9 +383,7 @@ class Recorder:
         if t._epoch == trace.epoch:
             return ValueRef(t._vid)
         if t._real is None:
-            raise RuntimeError(
-                "pydisc: this lazy tensor has no data: the step that computes it was abandoned after an "
-                "error. Recompute it (run the forward pass again) before using it.")
+            raise RuntimeError(ABANDONED)
         storage = t._storage
         if storage.epoch != trace.epoch:
             storage.epoch = trace.epoch
@@ -863,6 +863,8 @@ def set_executor(fn: Callable[[LazyTensor | None, str], None]) -> None:
 def materialize(t: LazyTensor, *, reason: str = "read") -> torch.Tensor:
     """Device data of `t`, running the pending ops it needs first."""
     if not RECORDER.is_clean(t):
+        if t._real is None and t._epoch != RECORDER.trace.epoch:
+            raise RuntimeError(ABANDONED)
         if RECORDER.executor is None:
             raise RuntimeError("pydisc: no executor installed (import pydisc)")
         source = user_source(2)

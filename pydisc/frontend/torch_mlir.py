@@ -19,6 +19,7 @@ non-tensor values (an `.item()`, a SymInt) stay eager too.
 from __future__ import annotations
 
 import operator
+import re
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +27,7 @@ import torch
 from pydisc.frontend.lowering.registry import LoweringError, spec_of
 from pydisc.frontend.lowering.values import TensorSpec
 
-__all__ = ["ImportedRegion", "import_region", "importer_available", "torch_mlir_reason"]
+__all__ = ["ImportedRegion", "import_region", "importer_available", "note_rejection", "op_key", "torch_mlir_reason"]
 
 # dtypes the route takes (torch-mlir knows more: complex, float8; IREE's CPU and CUDA backends do not
 # all handle those, and pydisc's exchange with IREE is tested for these).
@@ -50,6 +51,13 @@ _WRONG_VALUES = {aten._embedding_bag.default, aten._embedding_bag_forward_only.d
                  aten.scatter_reduce.two, aten.scatter.src, aten.scatter.value, aten.scatter.reduce,
                  aten.scatter.value_reduce, aten.scatter_add.default, aten.index_put.default,
                  aten._unsafe_index_put.default}
+
+# Ops ("aten.name") that torch-mlir has no definition of, or IREE's torch input conversion no lowering
+# for, learned from failed regions (`note_rejection`): later regions leave them out, so that one such
+# op does not keep the ops around it eager.
+_REJECTED: set[str] = set()
+_REJECTED_OP = re.compile(r"failed to legalize operation '?\"?torch\.(aten|prims)\.(\w+)")
+_UNDEFINED_OP = re.compile(r"torch\.(aten|prims)\.(\w+)")
 
 _IMPORT_ERROR: str | None = None
 try:
@@ -129,6 +137,25 @@ def _written_through(node: torch.fx.Node) -> bool:
     return False
 
 
+def op_key(op: object) -> str | None:
+    """"aten.name" of an ATen overload (torch-mlir's op names drop the overload)."""
+    return op._schema.name.replace("::", ".") if isinstance(op, torch._ops.OpOverload) else None
+
+
+def note_rejection(error: Exception) -> str | None:
+    """The op a region failed on ("aten.name"), from IREE's "failed to legalize operation 'torch.aten...'"
+    or the importer's undefined op, remembered for later regions; None if the error names none."""
+    text = str(getattr(error, "diagnostics", None) or error)
+    match = _REJECTED_OP.search(text)
+    if match is None and isinstance(error, LoweringError) and isinstance(error.op, str):
+        match = _UNDEFINED_OP.match(error.op)
+    if match is None:
+        return None
+    key = f"{match.group(1)}.{match.group(2)}"
+    _REJECTED.add(key)
+    return key
+
+
 def torch_mlir_reason(node: torch.fx.Node) -> str | None:
     """None if the torch-mlir route may take `node`, else a short reason (a pure predicate)."""
     if _IMPORT_ERROR is not None:
@@ -149,6 +176,8 @@ def torch_mlir_reason(node: torch.fx.Node) -> str | None:
         return "mutates an argument"
     if op in _WRONG_VALUES:
         return "torch-mlir's code for it is wrong (values, or writes its input)"
+    if _REJECTED and op_key(op) in _REJECTED:
+        return "torch-mlir or IREE rejected it in an earlier region"
     if _returns_alias(op) and _written_through(node):
         return "a view that a later op writes through (a compiled view is a copy)"
     for value in [node.meta["val"], *(n.meta.get("val") for n in node.all_input_nodes)]:

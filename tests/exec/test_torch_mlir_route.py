@@ -29,6 +29,7 @@ aten = torch.ops.aten
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch):
     monkeypatch.setattr(CONFIG, "torch_mlir", True)
+    monkeypatch.setattr(torch_mlir, "_REJECTED", set())   # ops rejected by earlier tests' regions
     clear_plans()
     pydisc.reset_metrics()
     yield
@@ -148,6 +149,27 @@ def test_region_torch_mlir_cannot_compile_runs_eagerly_counted(monkeypatch):
     assert m["compile_failures"] == {}    # an expected outcome of the route, not an error of pydisc's
     assert any(issubclass(w.category, pydisc.PydiscWarning) and "torch-mlir" in str(w.message) for w in caught)
     assert "torch-mlir rejected" in pydisc.metrics_report()
+
+
+def test_region_is_partitioned_again_without_the_op_it_failed_on(monkeypatch):
+    # one region of tanh (its StableHLO rule hidden) and _adaptive_avg_pool2d_backward, which IREE's
+    # torch input conversion cannot lower: the failure names the op, tanh is compiled on its own
+    hide(monkeypatch, aten.tanh.default, aten._adaptive_avg_pool2d_backward.default)
+    g, x = torch.randn(2, 3, 4, 4), torch.randn(2, 3, 10, 10)
+
+    def f(g, x):
+        return aten._adaptive_avg_pool2d_backward(torch.tanh(g), x)
+
+    y = f(pydisc.to_lazy(g), pydisc.to_lazy(x))
+    pydisc.mark_step()
+    torch.testing.assert_close(y.cpu(), f(g, x))
+    m = pydisc.metrics()
+    assert m["torch_mlir_ops"].get("aten.tanh.default") == 1
+    assert m["fallback_ops"] == {"aten._adaptive_avg_pool2d_backward.default": 1}, m["fallback_ops"]
+    assert "aten._adaptive_avg_pool2d_backward (CompileError)" in m["torch_mlir_failures"]
+    y = f(pydisc.to_lazy(g), pydisc.to_lazy(x + 1))     # the plan is reused
+    pydisc.mark_step()
+    torch.testing.assert_close(y.cpu(), f(g, x + 1))
 
 
 def scatter_sum(base, index, src):

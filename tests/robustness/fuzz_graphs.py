@@ -528,10 +528,12 @@ def _short(t: torch.Tensor) -> str:
 
 def check_program(prog: Program, data_offsets=(0,)) -> None:
     """Run `prog` eagerly and lazily (once per data offset: a second run reuses the cached plan with
-    other data) and assert that every value, every input and every mid-step read agree."""
+    other data) and assert that every value, every input and every mid-step read agree, and that no
+    cluster failed to compile."""
     for off in data_offsets:
         e_inputs, e_vals, e_reads = run_program(prog, lazy=False, data_offset=off)
         pydisc.mark_step()
+        failures_before = dict(pydisc.metrics()["compile_failures"])
         try:
             l_inputs, l_vals, l_reads = run_program(prog, lazy=True, data_offset=off)
             pydisc.mark_step()
@@ -545,6 +547,11 @@ def check_program(prog: Program, data_offsets=(0,)) -> None:
             problems.append(compare("v%d" % i, g, w))
         for i, (g, w) in enumerate(zip(l_reads, e_reads)):
             problems.append(compare("read %d" % i, g, w))
+        failures = {k: n - failures_before.get(k, 0) for k, n in pydisc.metrics()["compile_failures"].items()
+                    if n != failures_before.get(k, 0)}
+        if failures:
+            # the eager fallback gives the right values, but a cluster IREE refuses is a pydisc bug
+            problems.append("compile failures (clusters that ran eagerly instead): %s" % failures)
         problems = [p for p in problems if p]
         if problems:
             raise AssertionError("lazy != eager (data offset %d):\n%s\n--- program ---\n%s"

@@ -3,6 +3,8 @@ KeyboardInterrupt during compile must never leave parameters half-updated or bre
 from __future__ import annotations
 
 import copy
+import gc
+import sys
 import warnings
 
 import pytest
@@ -13,6 +15,7 @@ import pydisc.diagnostics as diagnostics
 import pydisc.exec as pexec
 import pydisc.step as pstep
 from pydisc.exec.module import CompiledModule
+from pydisc.plan import CompiledCluster
 
 
 class Boom(Exception):
@@ -364,3 +367,232 @@ def test_keyboard_interrupt_during_a_read(monkeypatch, fresh_plans):
     z = lx * 2
     pydisc.mark_step()
     torch.testing.assert_close(z.cpu(), (x + 2) * 2)
+
+
+# ------------------------------------------------------------------------------------------------
+# out of memory: not a compiler bug, so it reaches the user (with pydisc's context), the step is
+# abandoned with the user's state intact, the plan is kept, and the next step works
+
+# what IREE 3.13 raises when an allocation inside a call fails (a real one, on the CPU: a 32 TiB buffer)
+IREE_OOM = ("Error invoking function: c/runtime/src/iree/base/allocator_libc.c:57: RESOURCE_EXHAUSTED; libc "
+            "allocator failed the request; while invoking native function hal.device.queue.alloca; while "
+            "calling import;")
+
+
+def _inject_output_allocation_oom(monkeypatch):
+    """The next allocation of a compiled cluster's outputs fails, as torch's allocator fails on a GPU."""
+    real_empty = torch.empty
+    armed = {"n": 1}
+
+    def empty(*args, **kwargs):
+        callers = {sys._getframe(1).f_code, sys._getframe(2).f_code}     # (a list comprehension's, up to 3.11)
+        if armed["n"] and (CompiledCluster.forward.__code__ in callers or "prepare" in {c.co_name for c in callers}):
+            armed["n"] -= 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (injected)")
+        return real_empty(*args, **kwargs)
+    monkeypatch.setattr(torch, "empty", empty)
+    return armed
+
+
+def _inject_iree_oom(monkeypatch):
+    """The next call into IREE fails to allocate (its transient buffers)."""
+    real_invoke = CompiledModule._invoke
+    armed = {"n": 1}
+
+    def invoke(self, inputs, outputs):
+        if armed["n"]:
+            armed["n"] -= 1
+            raise RuntimeError(IREE_OOM)
+        return real_invoke(self, inputs, outputs)
+    monkeypatch.setattr(CompiledModule, "_invoke", invoke)
+    return armed
+
+
+def optimizer_state(opt):
+    return [{k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+            for s in (opt.state[p] for p in opt.param_groups[0]["params"])]
+
+
+def assert_states_equal(a, b, exact=False):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for k in x:
+            if isinstance(x[k], torch.Tensor):
+                assert_params_equal([x[k]], [y[k]], exact=exact)
+            else:
+                assert x[k] == y[k]
+
+
+@pytest.mark.parametrize("where", ["outputs", "iree"])
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+def test_out_of_memory_mid_training_keeps_state_and_plan(where, opt_name, monkeypatch, fresh_plans):
+    eager, lazy = make_models(width=14)
+    e_opt, l_opt = OPTIMIZERS[opt_name](eager.parameters()), OPTIMIZERS[opt_name](lazy.parameters())
+    for i in (0, 1):
+        for model, opt in ((eager, e_opt), (lazy, l_opt)):
+            train_step(model, opt, i)
+        pydisc.mark_step()
+    last_params, last_state = params(lazy), optimizer_state(l_opt)
+    before = pydisc.metrics()
+    failures, executions = sum(before["compile_failures"].values()), before["executions"]
+    armed = (_inject_output_allocation_oom if where == "outputs" else _inject_iree_oom)(monkeypatch)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = train_step(lazy, l_opt, 2)
+        with pytest.raises(torch.cuda.OutOfMemoryError) as info:
+            pydisc.mark_step()
+    assert armed["n"] == 0
+    error = info.value
+    assert isinstance(error, pexec.DeviceOutOfMemoryError)
+    message = str(error)
+    assert "compiled cluster" in message and error.where in message
+    assert "batch size" in message and "last completed step" in message
+    if where == "iree":
+        assert "RESOURCE_EXHAUSTED" in message and "inside IREE" in message
+    else:
+        assert "Tried to allocate 20.00 GiB" in message and error.nbytes > 0
+    assert not [w for w in caught if issubclass(w.category, pydisc.PydiscWarning)], "an OOM is not a fallback"
+    assert sum(pydisc.metrics()["compile_failures"].values()) == failures
+    # the failed step wrote nothing: parameters and optimizer state are those of the last mark
+    assert_params_equal(params(lazy), last_params, exact=True)
+    assert_states_equal(optimizer_state(l_opt), last_state, exact=True)
+    with pytest.raises(RuntimeError, match="abandoned"):
+        loss.item()                              # the abandoned step's values do not exist
+    # the next steps run compiled (the same plan: no compile, no fallback) and match eager, which never
+    # ran the failed step
+    monkeypatch.undo()
+    compiles, fallbacks = pydisc.metrics()["compiles"], pydisc.metrics()["fallback_ops"]
+    for i in (3, 4):
+        for model, opt in ((eager, e_opt), (lazy, l_opt)):
+            losses = train_step(model, opt, i)
+            if model is lazy:
+                l_loss = losses
+            else:
+                e_loss = losses
+        pydisc.mark_step()
+        torch.testing.assert_close(l_loss.cpu(), e_loss.detach(), rtol=1e-5, atol=1e-6)
+        assert_params_equal(params(lazy), params(eager))
+    assert_states_equal(optimizer_state(l_opt), optimizer_state(e_opt))
+    assert pydisc.metrics()["compiles"] == compiles
+    assert pydisc.metrics()["executions"] > executions
+    assert pydisc.metrics()["fallback_ops"] == fallbacks
+
+
+def test_real_out_of_memory_then_a_smaller_batch(fresh_plans):
+    # not injected: the step asks for 32 TiB (a (2^22, 2^21) float32 output), which the allocator refuses
+    x = torch.randn(1, 6)
+    w = pydisc.to_lazy(torch.randn(6, 3))
+    w_before = w.cpu()
+    big = pydisc.to_lazy(x).expand(2 ** 22, 6) @ w            # (2^22, 3): fine
+    huge = (big[:, :1] * 2).expand(2 ** 22, 2 ** 21) + 1       # (2^22, 2^21): 32 TiB
+    w.mul_(0.5)
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        pydisc.mark_step()
+    message = str(info.value)
+    assert "out of memory on cpu" in message and "can't allocate memory" in message
+    assert "%.1f GiB" % (2 ** 43 * 4 / 2 ** 30) in message            # what the cluster asked for
+    del big, huge
+    torch.testing.assert_close(w.cpu(), w_before, rtol=0, atol=0)    # the write was abandoned
+    # the same step on a smaller batch works
+    small = ((pydisc.to_lazy(x).expand(4, 6) @ w)[:, :1] * 2).expand(4, 5) + 1
+    w.mul_(0.5)
+    pydisc.mark_step()
+    torch.testing.assert_close(small.cpu(), ((x.expand(4, 6) @ w_before)[:, :1] * 2).expand(4, 5) + 1)
+    torch.testing.assert_close(w.cpu(), w_before * 0.5)
+
+
+def test_real_out_of_memory_in_an_eager_op_names_it(fresh_plans):
+    x = pydisc.to_lazy(torch.full((1,), 0.5))
+    coins = torch.bernoulli(x.expand(2 ** 22, 2 ** 21))       # random ops run eagerly inside a step
+    with pytest.raises(torch.OutOfMemoryError, match=r"running eager op aten\.\w+"):
+        pydisc.mark_step()
+    del coins
+    torch.manual_seed(0)
+    coins = torch.bernoulli(x.expand(3, 4))
+    pydisc.mark_step()
+    torch.manual_seed(0)
+    assert torch.equal(coins.cpu(), torch.bernoulli(torch.full((1,), 0.5).expand(3, 4)))
+
+
+def test_out_of_memory_in_the_first_step_then_the_optimizer_starts_afresh(monkeypatch, fresh_plans):
+    # the first step creates the momentum buffers: abandoned, they have no data, and the error says to
+    # clear the optimizer's state; after that, training equals eager from its first step
+    eager, lazy = make_models(width=15)
+    e_opt = torch.optim.SGD(eager.parameters(), lr=0.1, momentum=0.9)
+    l_opt = torch.optim.SGD(lazy.parameters(), lr=0.1, momentum=0.9)
+    first = params(lazy)
+    _inject_output_allocation_oom(monkeypatch)
+    train_step(lazy, l_opt, 0)
+    with pytest.raises(torch.OutOfMemoryError, match=r"optimizer\.state\.clear\(\)"):
+        pydisc.mark_step()
+    monkeypatch.undo()
+    assert_params_equal(params(lazy), first, exact=True)
+    l_opt.state.clear()
+    l_opt.zero_grad()
+    for i in (0, 1, 2):
+        for model, opt in ((eager, e_opt), (lazy, l_opt)):
+            train_step(model, opt, i)
+        pydisc.mark_step()
+        assert_params_equal(params(lazy), params(eager))
+
+
+@pytest.mark.cuda
+def test_real_cuda_out_of_memory_then_a_smaller_batch(fresh_plans):
+    # a training step whose activations exceed what the GPU has free: the error says so, the parameters
+    # and optimizer state are those of the last step, the failed step's memory is given back, and the
+    # same model trains on with a smaller batch, equal to eager
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 10)).to(device)
+    lazy = pydisc.lazy(copy.deepcopy(eager), device=device)
+    e_opt = torch.optim.Adam(eager.parameters(), lr=1e-3)
+    l_opt = torch.optim.Adam(lazy.parameters(), lr=1e-3)
+
+    def step(model, opt, x, y):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    def small_batch(i):
+        g = torch.Generator(device=device).manual_seed(i)
+        return (torch.randn(256, 1024, device=device, generator=g),
+                torch.randint(0, 10, (256,), device=device, generator=g))
+
+    for i in (0, 1):
+        x, y = small_batch(i)
+        step(eager, e_opt, x, y)
+        step(lazy, l_opt, x, y)
+        pydisc.mark_step()
+    last_params, last_state = params(lazy), optimizer_state(l_opt)
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    # the hidden activations alone (batch x 4096 float32) are 1.2 times the free memory; the input is
+    # a quarter of that
+    free, total = torch.cuda.mem_get_info()
+    batch = int(free * 1.2) // (4096 * 4)
+    big_x = torch.randn(batch, 1024, device=device)
+    big_y = torch.randint(0, 10, (batch,), device=device)
+    step(lazy, l_opt, big_x, big_y)
+    with pytest.raises(torch.cuda.OutOfMemoryError) as info:
+        pydisc.mark_step()
+    message = str(info.value)
+    assert isinstance(info.value, pexec.DeviceOutOfMemoryError)
+    assert "out of memory on cuda" in message and "batch size" in message
+    assert "PYTORCH_CUDA_ALLOC_CONF" in message and "free of" in message
+    del info, big_x, big_y
+    gc.collect()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= allocated + 2**20     # nothing of the failed step is left
+    assert_params_equal(params(lazy), last_params, exact=True)
+    assert_states_equal(optimizer_state(l_opt), last_state, exact=True)
+    for i in (2, 3):
+        x, y = small_batch(i)
+        e_loss = step(eager, e_opt, x, y)
+        l_loss = step(lazy, l_opt, x, y)
+        pydisc.mark_step()
+        torch.testing.assert_close(l_loss.cpu(), e_loss.detach().cpu(), rtol=1e-4, atol=1e-5)
+        for p, q in zip(params(lazy), params(eager)):
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
