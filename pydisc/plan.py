@@ -6,6 +6,7 @@ so a plan always exists.
 """
 from __future__ import annotations
 
+import math
 import operator
 import os
 import threading
@@ -62,17 +63,37 @@ class CompiledCluster(torch.nn.Module):
         self.calls = 0
 
     def forward(self, *inputs):
-        if self.prepare is None:
-            device = self.device
-            outs = results = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.specs]
-            self.compiled.run(inputs, outs)
-        else:
-            arguments, outs, results = self.prepare(inputs)
-            self.compiled.run(arguments, outs)
+        try:
+            if self.prepare is None:
+                device = self.device
+                outs = results = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.specs]
+                self.compiled.run(inputs, outs)
+            else:
+                arguments, outs, results = self.prepare(inputs)
+                self.compiled.run(arguments, outs)
+        except RuntimeError as exc:
+            from .exec.errors import is_out_of_memory
+            if not is_out_of_memory(exc):
+                raise
+            raise self.out_of_memory(exc) from exc
         self.calls += 1
         if CONFIG.check_every and self.calls % CONFIG.check_every == 0:
             self.check(inputs, results)
         return results[0] if self.single else tuple(results)
+
+    def out_of_memory(self, exc: RuntimeError) -> RuntimeError:
+        """`exc`, a failed allocation of this cluster's outputs or inside IREE, with the cluster named."""
+        from .exec.errors import DeviceOutOfMemoryError
+        ops = sorted({str(n.target) for n in self.fallback.graph.nodes if n.op == "call_function"})
+        where = "compiled cluster %s (%d ops: %s%s)" % (self.name, len(ops), ", ".join(ops[:5]),
+                                                        ", ..." if len(ops) > 5 else "")
+        if isinstance(exc, DeviceOutOfMemoryError):      # raised inside IREE's call
+            return DeviceOutOfMemoryError(str(exc), where=where + " inside IREE's call")
+        nbytes = None
+        if self.prepare is None:
+            nbytes = sum(math.prod(shape) * dtype.itemsize for shape, dtype in self.specs)
+        outputs = "its output" if len(self.specs) == 1 else "its %d outputs" % len(self.specs)
+        return DeviceOutOfMemoryError(str(exc), where=where + ", allocating " + outputs, nbytes=nbytes)
 
     def check(self, inputs, results) -> None:
         """Compare with the same ops run eagerly; report the first output that diverges."""
