@@ -116,8 +116,11 @@ def _batch_norm_eval_cpu(func, args, kwargs):
     if not isinstance(x, LazyTensor) or x.device.type != "cpu" or training:
         return NotImplemented
     out, mean, rstd = _record(func, *args, **kwargs)
-    empty = [_record(aten.new_zeros.default, x, [0], dtype=t.dtype) for t in (mean, rstd)]
-    return out, empty[0], empty[1]
+    running_mean = args[3] if len(args) > 3 else kwargs.get("running_mean")
+    # of the running statistics' dtype on the CPU (bf16 input, f32 stats: f32; all bf16: bf16)
+    dtype = running_mean.dtype if isinstance(running_mean, torch.Tensor) else mean.dtype
+    empty = _record(aten.new_zeros.default, x, [0], dtype=dtype)
+    return out, empty, _record(aten.new_zeros.default, x, [0], dtype=dtype)
 
 
 def _cudnn_batch_norm(func, args, kwargs):

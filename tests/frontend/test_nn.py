@@ -140,3 +140,21 @@ def test_upsample_and_pad_backward() -> None:
         return [gx, gy, F.interpolate(y, size=(5, 3), mode="nearest"), F.pad(y, (1, 2, 0, 1), mode="replicate")]
 
     check(fn, torch.randn(2, 3, 4), torch.randn(1, 2, 3, 4), torch.randn(2, 3, 7))
+
+
+def test_avg_pool_ceil_mode_and_3d() -> None:
+    """avg_pool1d/2d/3d with ceil_mode (last windows past the padded input), count_include_pad off and
+    divisor_override, forward and backward: torch's divisor per position."""
+    def fn(x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+        def loss(x, y):  # noqa: ANN001, ANN202
+            return (F.avg_pool2d(x, 3, 2, 1, ceil_mode=True, count_include_pad=False).square().sum()
+                    + F.avg_pool2d(x, 2, 3, 0, ceil_mode=True).exp().sum()
+                    + F.avg_pool3d(y, 2, 1, 1, ceil_mode=True, divisor_override=3).square().sum()
+                    + F.avg_pool3d(y, 3, 2, 1, count_include_pad=False).sum()
+                    + F.avg_pool1d(x[0], 3, 2, 1, ceil_mode=True).square().sum())
+
+        gx, gy = torch.func.grad(loss, argnums=(0, 1))(x, y)
+        return [gx, gy, F.avg_pool3d(y, 3, 2, 1, ceil_mode=True, count_include_pad=True),
+                F.avg_pool2d(x, 3, 2, 1, ceil_mode=True, count_include_pad=True)]
+
+    check(fn, torch.randn(2, 3, 7, 6), torch.randn(1, 2, 5, 4, 6))

@@ -10,6 +10,7 @@ of the spatial dims stays static (`_batch_only`).
 """
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -199,11 +200,11 @@ def _conv_backward_check(node: torch.fx.Node) -> str | None:
 
 
 # ---- pooling ------------------------------------------------------------------------------------
-def _pool_params(x: Value, kernel: Sequence[int], stride: Sequence[int], padding: Sequence[int] | int, dilation: Sequence[int] | int = 1) -> tuple[list[int], list[int], list[int], list[int]]:
-    kernel = _expand(kernel, 2)
-    stride = _expand(stride, 2) if stride else kernel
-    padding = _expand([padding] if isinstance(padding, int) else padding, 2)
-    dilation = _expand([dilation] if isinstance(dilation, int) else dilation, 2)
+def _pool_params(x: Value, kernel: Sequence[int], stride: Sequence[int], padding: Sequence[int] | int, dilation: Sequence[int] | int = 1, spatial: int = 2) -> tuple[list[int], list[int], list[int], list[int]]:
+    kernel = _expand(kernel, spatial)
+    stride = _expand(stride, spatial) if stride else kernel
+    padding = _expand([padding] if isinstance(padding, int) else padding, spatial)
+    dilation = _expand([dilation] if isinstance(dilation, int) else dilation, spatial)
     return kernel, stride, padding, dilation
 
 
@@ -306,31 +307,33 @@ def _max_pool2d_backward_by_windows(
     return b.slice(total, [0] * lead + list(padding), limits, [1] * x.rank, shape=x.shape)  # type: ignore[arg-type]
 
 
-@lowering(aten.avg_pool2d.default, dynamic=True)
-def _avg_pool2d(
+@lowering(aten.avg_pool2d.default, aten.avg_pool3d.default, dynamic=True)
+def _avg_pool(
     ctx: LoweringContext, x: Value, kernel_size: Sequence[int], stride: Sequence[int] = (),
     padding: Sequence[int] = (0,), ceil_mode: bool = False, count_include_pad: bool = True,
     divisor_override: int | None = None,
 ) -> Value:
+    """avg_pool2d/3d: a window sum (reduce_window over the zero-padded input, padded further at the end
+    where ceil_mode lets the last windows start there) divided by torch's divisor per position."""
     b = ctx.builder
-    kernel, stride, padding, _ = _pool_params(x, kernel_size, stride, padding)
-    lead = x.rank - 2
+    spatial = 3 if ctx.node.target is aten.avg_pool3d.default else 2
+    kernel, stride, padding, _ = _pool_params(x, kernel_size, stride, padding, spatial=spatial)
+    lead = x.rank - spatial
     acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
     xs = b.convert(x, acc)
     if not x.type.is_static:  # IREE 3.13 cannot lower a reduce_window of dynamic shape
         return _avg_pool2d_by_slices(ctx, xs, kernel, stride, padding, count_include_pad, divisor_override)
+    out = ctx.out_spec.shape
     window = [1] * lead + kernel
     strides = [1] * lead + stride
-    pads = [(0, 0)] * lead + [(p, p) for p in padding]
+    highs = [(out[lead + d] - 1) * stride[d] + kernel[d] - x.shape[lead + d] - padding[d] for d in range(spatial)]
+    pads = [(0, 0)] * lead + [(p, max(h, 0)) for p, h in zip(padding, highs)]
     add = lambda u, v: [b.binary("add", u, v)]  # noqa: E731
     total = b.reduce_window(xs, b.constant(0, acc), window, strides, pads, add)
-    if divisor_override:
-        count = b.full(total.shape, divisor_override, acc)
-    elif count_include_pad:
-        count = b.full(total.shape, kernel[0] * kernel[1], acc)
-    else:
-        ones = b.full(x.shape, 1, acc)
-        count = b.reduce_window(ones, b.constant(0, acc), window, strides, pads, add)
+    if tuple(total.shape) != tuple(out):
+        total = b.slice(total, [0] * x.rank, out, [1] * x.rank)
+    count = _pool_divisor(b, x, ctx.out_spec.with_dtype(acc), kernel, stride, padding, count_include_pad,
+                          divisor_override)
     return b.convert(b.binary("divide", total, count), ctx.out_dtype)
 
 
@@ -359,51 +362,63 @@ def _avg_pool2d_by_slices(
 
 def _pool_divisor(b: FunctionBuilder, x: Value, out: TensorSpec, kernel: list[int], stride: list[int],
                   padding: list[int], count_include_pad: bool, divisor_override: int | None) -> Value:
-    """avg_pool2d's divisor per output position, of shape `out`: the window size, or (without
-    count_include_pad) the count of unpadded elements, which depends only on the static spatial sizes."""
-    lead = x.rank - 2
-    if divisor_override or count_include_pad:
-        return b.full(out.shape, divisor_override or kernel[0] * kernel[1], out.dtype)
-    ones = torch.ones(1, 1, *x.shape[-2:])
-    per_position = torch.nn.functional.avg_pool2d(ones, kernel, stride, padding, divisor_override=1)[0, 0]
-    return b.broadcast_in_dim(b.literal(per_position.to(out.dtype)), out.shape, [lead, lead + 1])
+    """avg_pool's divisor per output position, of shape `out`, as torch computes it: the window clipped
+    to the padded input (ceil_mode's last windows may reach past it), or without count_include_pad the
+    count of unpadded elements. It depends only on the static spatial sizes: a product of one vector per
+    spatial dim."""
+    spatial = len(kernel)
+    lead = x.rank - spatial
+    if divisor_override:
+        return b.full(out.shape, divisor_override, out.dtype)
+    divisor = torch.ones(())
+    for d in range(spatial):
+        n, k, s, p = x.shape[lead + d], kernel[d], stride[d], padding[d]
+        start = torch.arange(out.shape[lead + d]) * s - p
+        end = torch.minimum(start + k, torch.tensor(n + p))
+        if not count_include_pad:
+            start, end = start.clamp(min=0), end.clamp(max=n)
+        divisor = divisor[..., None] * (end - start).to(torch.float64)
+    return b.broadcast_in_dim(b.literal(divisor.to(out.dtype)), out.shape, list(range(lead, lead + spatial)))
 
 
-@lowering(aten.avg_pool2d_backward.default, dynamic=True)
-def _avg_pool2d_backward(
+@lowering(aten.avg_pool2d_backward.default, aten.avg_pool3d_backward.default, dynamic=True)
+def _avg_pool_backward(
     ctx: LoweringContext, grad: Value, x: Value, kernel_size: Sequence[int], stride: Sequence[int],
     padding: Sequence[int], ceil_mode: bool, count_include_pad: bool, divisor_override: int | None,
 ) -> Value:
-    """Each window offset (i, j) sends grad / divisor back to the input positions it read: the scaled
-    gradient spread out by the stride (interior padding), shifted by (i, j), summed over the k*k offsets
-    and cropped to the unpadded input."""
+    """Each window offset sends grad / divisor back to the input positions it read: the scaled gradient
+    spread out by the stride (interior padding), shifted by the offset, summed over the window's offsets
+    and cropped to the unpadded input (ceil_mode's windows past the padded input read nothing there)."""
     b = ctx.builder
-    kernel, stride, padding, _ = _pool_params(x, kernel_size, stride, padding)
-    lead = x.rank - 2
+    spatial = 3 if ctx.node.target is aten.avg_pool3d_backward.default else 2
+    kernel, stride, padding, _ = _pool_params(x, kernel_size, stride, padding, spatial=spatial)
+    lead = x.rank - spatial
     acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
     g = b.convert(grad, acc)
     g = b.binary("divide", g, _pool_divisor(b, x, g.type, kernel, stride, padding, count_include_pad, divisor_override))
     zero = b.constant(0, acc)
     total = None
-    for i in range(kernel[0]):
-        for j in range(kernel[1]):
-            low = [0] * lead + [i, j]
-            high = [0] * lead + [
-                x.shape[lead + d] + 2 * padding[d] - low[lead + d] - ((g.shape[lead + d] - 1) * stride[d] + 1)
-                for d in range(2)
-            ]
-            spread = b.pad(g, zero, low, high, [0] * lead + [s - 1 for s in stride])
-            total = spread if total is None else b.binary("add", total, spread)
+    for offset in itertools.product(*(range(k) for k in kernel)):
+        low = [0] * lead + list(offset)
+        high = [0] * lead + [
+            x.shape[lead + d] + 2 * padding[d] - offset[d] - ((g.shape[lead + d] - 1) * stride[d] + 1)
+            for d in range(spatial)
+        ]
+        spread = b.pad(g, zero, low, high, [0] * lead + [s - 1 for s in stride])
+        total = spread if total is None else b.binary("add", total, spread)
     starts = [0] * lead + padding
-    limits = list(total.shape[:lead]) + [padding[d] + x.shape[lead + d] for d in range(2)]  # type: ignore[union-attr]
+    limits = list(total.shape[:lead]) + [padding[d] + x.shape[lead + d] for d in range(spatial)]  # type: ignore[union-attr]
     cropped = b.slice(total, starts, limits, [1] * x.rank, shape=x.shape)  # type: ignore[arg-type]
     return b.convert(cropped, ctx.out_dtype)
 
 
-@support_check(aten.avg_pool2d.default, aten.avg_pool2d_backward.default)
+@support_check(aten.avg_pool2d.default, aten.avg_pool2d_backward.default, aten.avg_pool3d.default,
+               aten.avg_pool3d_backward.default)
 def _avg_pool_check(node: torch.fx.Node) -> str | None:
     args = list(node.args) + [None] * 8
-    ceil_mode = args[4] if node.target is aten.avg_pool2d.default else args[5]
-    if ceil_mode:
-        return f"{node.target} with ceil_mode"
-    return _batch_only(node)
+    ceil_mode = args[4] if node.target in (aten.avg_pool2d.default, aten.avg_pool3d.default) else args[5]
+    reason = _batch_only(node)
+    if reason is None and (ceil_mode or node.target in (aten.avg_pool3d.default, aten.avg_pool3d_backward.default)):
+        if any(not isinstance(size_of(d), int) for n in (node.args[0], node) for d in n.meta["val"].shape):  # type: ignore[union-attr]
+            return f"{node.target} with ceil_mode or in 3d, of dynamic shape"
+    return reason
