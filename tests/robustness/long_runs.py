@@ -1,8 +1,10 @@
-"""What a long run holds on to: host memory and every structure of pydisc that could grow per step.
+"""What a long run holds on to: host memory, device memory and every structure of pydisc that could grow
+per step.
 
 `footprint()` takes one reading; `train_mnist_mlp` trains the MLP of examples/mnist.py (scikit-learn's
-8x8 digits, SGD with momentum, one `mark_step` per step) and takes readings at the steps asked for.
-Used by tests/robustness/test_long_runs.py and by scripts/long_run.py, which prints the figures.
+8x8 digits, SGD with momentum, one `mark_step` per step) on the CPU or a GPU and takes readings at the
+steps asked for. Used by tests/robustness/test_long_runs.py and by scripts/long_run.py, which prints the
+figures.
 """
 from __future__ import annotations
 
@@ -43,13 +45,17 @@ class Footprint:
     op_infos: int               # schema facts per ATen op
     metric_entries: int         # list/dict entries of the metrics (recompiles, sources, ...)
     gc_objects: int             # objects the cyclic GC tracks
+    cuda_allocated_mb: float = 0.0   # in torch's tensors on the device (torch.cuda.memory_allocated)
+    cuda_reserved_mb: float = 0.0    # held by torch's caching allocator (torch.cuda.memory_reserved)
+    cuda_used_mb: float = 0.0        # used on the device by anyone, IREE included (mem_get_info)
 
-    def row(self) -> str:
-        return " | ".join(str(v) if not isinstance(v, float) else "%.1f" % v for v in asdict(self).values())
+    def row(self, cuda: bool = False) -> str:
+        return " | ".join(str(v) if not isinstance(v, float) else "%.1f" % v
+                          for k, v in asdict(self).items() if cuda or not k.startswith("cuda_"))
 
     @staticmethod
-    def header() -> str:
-        names = list(Footprint.__dataclass_fields__)
+    def header(cuda: bool = False) -> str:
+        names = [k for k in Footprint.__dataclass_fields__ if cuda or not k.startswith("cuda_")]
         return " | ".join(names) + "\n" + " | ".join("---" for _ in names)
 
 
@@ -58,7 +64,8 @@ def rss_mb() -> float:
         return int(f.read().split()[1]) * _PAGE / 2**20
 
 
-def footprint(step: int) -> Footprint:
+def footprint(step: int, device: torch.device | str = "cpu") -> Footprint:
+    device = torch.device(device)
     gc.collect()
     objects = gc.get_objects()
     lazy = sum(1 for o in objects if type(o) is LazyTensor)   # parameters too: their class is LazyTensor
@@ -78,7 +85,16 @@ def footprint(step: int) -> Footprint:
         op_infos=len(lazy_tensor._OPINFO),
         metric_entries=metric_entries,
         gc_objects=len(objects),
+        **(_cuda_memory(device) if device.type == "cuda" else {}),
     )
+
+
+def _cuda_memory(device: torch.device) -> dict:
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    return {"cuda_allocated_mb": torch.cuda.memory_allocated(device) / 2**20,
+            "cuda_reserved_mb": torch.cuda.memory_reserved(device) / 2**20,
+            "cuda_used_mb": (total - free) / 2**20}
 
 
 def mnist_example():
@@ -92,17 +108,21 @@ def mnist_example():
     return sys.modules[name]
 
 
-def train_mnist_mlp(steps: int, readings: set[int], batch_size: int = 64) -> tuple[list[Footprint], list[float]]:
-    """Train the example's MLP for `steps` steps with pydisc; a footprint after each step in `readings`.
-    Returns the footprints and the losses."""
+def train_mnist_mlp(steps: int, readings: set[int], batch_size: int = 64,
+                    device: torch.device | str = "cpu") -> tuple[list[Footprint], list[float]]:
+    """Train the example's MLP for `steps` steps with pydisc on `device`; a footprint after each step in
+    `readings`. Returns the footprints and the losses."""
     mnist = mnist_example()
     data = mnist.load_digits()
+    device = torch.device(device)
+    train_x, train_y = data.train_x.to(device), data.train_y.to(device)
     torch.manual_seed(0)
-    model = pydisc.lazy(mnist.MLP(data.train_x.shape[-1]))
+    model = pydisc.lazy(mnist.MLP(data.train_x.shape[-1]), device=device)
     optimizer = mnist.OPTIMIZERS["sgd"](model.parameters())
     losses, prints = [], []
     for step, idx in enumerate(mnist.fixed_batches(len(data.train_y), batch_size, steps), start=1):
-        losses.append(mnist.train_step(model, optimizer, data.train_x[idx], data.train_y[idx], lazy=True))
+        idx = idx.to(device)
+        losses.append(mnist.train_step(model, optimizer, train_x[idx], train_y[idx], lazy=True))
         if step in readings:
-            prints.append(footprint(step))
+            prints.append(footprint(step, device))
     return prints, losses

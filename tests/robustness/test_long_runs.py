@@ -55,6 +55,22 @@ def test_memory_is_flat_over_2000_training_steps():
     assert losses[-1] < losses[0] / 4
 
 
+@pytest.mark.cuda
+def test_cuda_memory_is_flat_over_300_training_steps():
+    # the same run on the GPU: device memory in torch's tensors does not move by a byte after warm-up,
+    # what torch's allocator reserves does not grow, and neither does what the device has in use
+    # (IREE's own buffers included)
+    readings, losses = train_mnist_mlp(300, {100, 200, 300}, device="cuda")
+    for r in readings:
+        print(r)
+    before, middle, after = readings
+    _check_flat(before, after, rss_tolerance_mb=16)
+    assert after.cuda_allocated_mb == middle.cuda_allocated_mb == before.cuda_allocated_mb, readings
+    assert after.cuda_reserved_mb <= before.cuda_reserved_mb, readings
+    assert after.cuda_used_mb - before.cuda_used_mb < 64, readings
+    assert losses[-1] < losses[0] / 2
+
+
 # ------------------------------------------------------------------------------------------------
 # very large steps
 
