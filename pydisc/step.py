@@ -36,6 +36,7 @@ def clear_plans() -> None:
     _PLANS.clear()
     _SEEN_OPS.clear()
     dynamic.clear()
+    RECORDER.capture_sources = True     # the next step plans: its ops' source lines are wanted
 
 
 def _step_device(trace: Trace) -> torch.device:
@@ -519,6 +520,17 @@ def _bind(trace: Trace, outputs: tuple, results: list[torch.Tensor], executed: l
             size, stride, offset, dtype = trace.metas[index]
             storage.real = _flat_base(_as_layout(val, size, stride))
         touched.append(storage)
+    if not remaining:
+        # everything ran: every tensor made in this trace views its storage's new data (the storages
+        # of the step's inputs were written in place, so their tensors' views stay valid)
+        values = trace.values
+        for vid, ref in trace.tensors.items():
+            t = ref()
+            if t is not None and (values[vid][0] == "out" or t._real is None) and t._storage.real is not None:
+                t._real = _view_of_base(t._storage.real, *_layout(t))
+        trace.release()
+        RECORDER.new_trace()
+        return
     executed_vids = set()
     for i in executed:
         executed_vids.update(v for v in trace.entries[i].out_vids if v is not None)
@@ -530,9 +542,6 @@ def _bind(trace: Trace, outputs: tuple, results: list[torch.Tensor], executed: l
         if vid in executed_vids or t._real is None:
             if t._storage.real is not None:
                 t._real = _view_of_base(t._storage.real, *_layout(t))
-    if not remaining:
-        RECORDER.new_trace()
-        return
     # Keep the rest pending: values made by the executed entries become inputs of what remains.
     for vid in executed_vids:
         storage = trace.storages[vid]

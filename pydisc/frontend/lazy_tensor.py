@@ -79,25 +79,39 @@ def _contiguous_strides(size) -> tuple[int, ...]:
 
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
-_LAYOUT_IDS: dict[tuple, int] = {}
 
 
-def _layout_id(size: tuple, stride: tuple, offset: int, dtype: torch.dtype, nbytes: int, device) -> int:
-    """A small int per distinct (size, stride, offset, dtype, storage bytes, device): a lazy tensor's
-    part of the meta-cache key, cheaper to hash and compare than the tuple, made once per tensor (and
-    once per op and input layouts for recorded outputs, which take it from the op's recipe)."""
-    key = (size, stride, offset, dtype, nbytes, device)
-    lid = _LAYOUT_IDS.get(key)
-    if lid is None:
-        lid = _LAYOUT_IDS[key] = len(_LAYOUT_IDS)
-    return lid
+class LayoutKey:
+    """One per distinct (size, stride, offset, dtype, storage bytes, device): a lazy tensor's part of
+    the meta-cache key. It hashes and compares by identity, which is cheaper than the tuple, and it is
+    made once per tensor (recorded outputs take it from their op's `Recipe`). Not an int, so that a
+    tensor and an int constant in the same argument position never look alike."""
+
+    __slots__ = ("layout",)
+
+    def __init__(self, layout: tuple) -> None:
+        self.layout = layout
+
+    def __repr__(self) -> str:
+        return "LayoutKey%r" % (self.layout,)
+
+
+_LAYOUT_KEYS: dict[tuple, LayoutKey] = {}
+
+
+def _layout_key(size: tuple, stride: tuple, offset: int, dtype: torch.dtype, nbytes: int, device) -> LayoutKey:
+    layout = (size, stride, offset, dtype, nbytes, device)
+    key = _LAYOUT_KEYS.get(layout)
+    if key is None:
+        key = _LAYOUT_KEYS[layout] = LayoutKey(layout)
+    return key
 
 
 class LazyTensor(torch.Tensor):
     """A tensor whose value is either device data (`_real`) or a value of the pending trace."""
 
     _storage: LazyStorage
-    _mk: int                # layout id (`_layout_id`) of this step's concrete layout
+    _mk: LayoutKey          # this step's concrete layout, as a meta-cache key part
     # Defaults, set on the instance only where they differ (recorded outputs set the fewest attributes).
     _real: torch.Tensor | None = None
     _vid: int = -1
@@ -118,10 +132,10 @@ class LazyTensor(torch.Tensor):
                 or type(offset) is not int or type(storage.nbytes) is not int):
             # sizes of a symbolic step: keep this step's concrete layout for everything concrete
             t._concrete = concrete = (tuple(map(hint, size)), tuple(map(hint, stride)), hint(offset))
-            t._mk = _layout_id(*concrete, dtype, hint(storage.nbytes), t.device)
+            t._mk = _layout_key(*concrete, dtype, hint(storage.nbytes), t.device)
         else:
             nbytes = storage.nbytes       # symbolic in a storage made by an earlier symbolic step
-            t._mk = _layout_id(tuple(size), tuple(stride), offset, dtype,
+            t._mk = _layout_key(tuple(size), tuple(stride), offset, dtype,
                                nbytes if type(nbytes) is int else hint(nbytes), t.device)
         return t
 
@@ -302,13 +316,13 @@ class Recorder:
     def new_trace(self) -> Trace:
         """A fresh pending trace. Within a step (after a read ran everything recorded so far) the
         step's symbolic state carries over; `end_step` ends it."""
-        if self.gc_paused:
-            self.gc_paused = False
-            gc.enable()
         self.epoch += 1
         self.prune_at = PRUNE_FIRST_AT
         self.trace = Trace(epoch=self.epoch)
         self.trace.symbolic = self.symbolic
+        if self.gc_paused:      # after the old trace is let go of: what it alone held is freed first
+            self.gc_paused = False
+            gc.enable()
         return self.trace
 
     def end_step(self) -> None:
@@ -535,12 +549,6 @@ class Recorder:
             sig.append(VALUE_SIGS[vid])
             reads.append(a._storage)
             return VALUE_REFS[vid]
-        if t is float:
-            sig.append(_float_part(a))   # a constant: floats that vary per step are lifted by a rewrite
-            return a
-        if t is bool:
-            sig.append(_TRUE if a else _FALSE)
-            return a
         if t is list or t is tuple or t is torch.Size:
             sig.append(("list", len(a)))
             return [self.encode(x, sig, reads) for x in a]
@@ -558,7 +566,7 @@ class Recorder:
             r = self.trace.add_real_input(a)
             sig.append(("r", r.index))
             return r
-        sig.append(a)
+        sig.append(_constant_part(a))
         return a
 
     def meta_key(self, func, args, kwargs) -> tuple:
@@ -662,16 +670,15 @@ class Recorder:
         sig: list = [info.name]
         reads: list = []
         enc_args = []
-        for a in args:
-            t = type(a)
-            if t is LazyTensor:
+        for a, constant in zip(args, recipe.constants):
+            if type(a) is LazyTensor:
                 vid = a._vid if a._epoch == epoch else self.ref(a).vid
                 sig.append(VALUE_SIGS[vid])
                 reads.append(a._storage)
                 enc_args.append(VALUE_REFS[vid])
-            elif t is int or a is None:
-                sig.append(a)
-                enc_args.append(a)
+            elif constant is not None:
+                enc_args.append(constant[0])
+                sig += constant[1]
             else:
                 enc_args.append(self.encode(a, sig, reads))
         enc_kwargs = {}
@@ -695,7 +702,7 @@ class Recorder:
                 outs.append(None)
                 out_vids.append(None)
                 continue
-            source, size, stride, offset, dtype, nbytes, meta, layout_id = out
+            source, size, stride, offset, dtype, nbytes, meta, layout_key = out
             if source is not None and source[0] == "write":
                 src = _arg(args, kwargs, source[1], source[2])
                 outs.append(src)
@@ -706,13 +713,13 @@ class Recorder:
             else:
                 storage = LazyStorage(nbytes)
                 storage.epoch = epoch
-            if fakes is None and layout_id is not None:
+            if fakes is None and layout_key is not None:
                 # LazyTensor.__new__ without its checks: the recipe holds the layout and its id
                 t = _make_wrapper(LazyTensor, size, strides=stride, storage_offset=offset, dtype=dtype,
                                   device=device) if offset else \
                     _make_wrapper(LazyTensor, size, strides=stride, dtype=dtype, device=device)
                 t._storage = storage
-                t._mk = layout_id
+                t._mk = layout_key
                 vid = trace.new_value(out_kind(entry_index), storage, meta)
             else:
                 t = LazyTensor(size, stride, offset, dtype, device, storage)
@@ -747,12 +754,14 @@ class Recorder:
 
 class Recipe:
     """How to record an op for one meta-cache key (op, input layouts, constants), worked out once:
-    the output container, per output where its storage comes from and its layout, and the device."""
+    the output container, per output where its storage comes from and its layout, the device, and
+    the encoding of each positional argument that is a constant (equal constants have equal keys)."""
 
-    __slots__ = ("kind", "outputs", "device", "reinterprets")
+    __slots__ = ("kind", "outputs", "device", "reinterprets", "constants")
 
     def __init__(self, info: OpInfo, args, kwargs, kind, descs) -> None:
         self.kind = kind
+        self.constants = tuple(map(_constant, args))
         self.device = device = _device_of(args, kwargs)
         self.reinterprets = False
         plans = info.returns
@@ -771,11 +780,11 @@ class Recipe:
                     self.reinterprets = True
                 nbytes = src._storage.nbytes
             meta = (size, stride, offset, dtype)
-            layout_id = None
+            layout_key = None
             if all(type(x) is int for x in size) and all(type(x) is int for x in stride) and \
                     type(offset) is int and type(nbytes) is int:
-                layout_id = _layout_id(size, tuple(stride), offset, dtype, nbytes, device)
-            outputs.append((plan, size, tuple(stride), offset, dtype, nbytes, meta, layout_id))
+                layout_key = _layout_key(size, tuple(stride), offset, dtype, nbytes, device)
+            outputs.append((plan, size, tuple(stride), offset, dtype, nbytes, meta, layout_key))
         self.outputs = tuple(outputs)
 
 
@@ -783,9 +792,35 @@ _KWARGS = object()              # separates positional and keyword arguments in 
 _TRUE, _FALSE = ("bool", True), ("bool", False)     # True == 1: a bool constant is tagged
 
 
-def _float_part(a: float) -> tuple:
-    """A float constant in a key: -0.0 == 0.0 and nan != nan, so those are told apart by their text."""
-    return ("f", a) if a == a and a != 0.0 else ("f", repr(a))
+def _constant_part(a):
+    """A constant's part of a key (meta cache, structural signature): floats that vary per step are
+    lifted by a rewrite, the others are constants, and output sizes may depend on them."""
+    t = type(a)
+    if t is float:
+        return ("f", a) if a == a and a != 0.0 else ("f", repr(a))   # -0.0 == 0.0, nan != nan
+    if t is bool:
+        return _TRUE if a else _FALSE       # True == 1
+    return a
+
+
+def _constant(a) -> tuple | None:
+    """(encoded argument, its signature parts) of an argument with no tensor, lifted scalar or size
+    symbol in it; None for the others. Entries share the encoded lists: nothing writes into them."""
+    t = type(a)
+    if t is list or t is tuple or t is torch.Size:
+        parts: list = [("list", len(a))]
+        items = []
+        for x in a:
+            c = _constant(x)
+            if c is None:
+                return None
+            items.append(c[0])
+            parts += c[1]
+        return items, tuple(parts)
+    if t is LazyTensor or t is LiftedScalar or t is torch.SymInt or t is torch.SymFloat or \
+            t is torch.SymBool or isinstance(a, torch.Tensor):
+        return None
+    return a, (_constant_part(a),)
 
 
 def _key_part(a):
@@ -793,17 +828,21 @@ def _key_part(a):
     t = type(a)
     if t is LazyTensor:
         return a._mk
+    if t is list or t is tuple:
+        parts = [t]
+        for x in a:
+            if type(x) is int:
+                parts.append(x)
+            else:
+                parts.append(_key_part(x))
+        return tuple(parts)
     if t is LiftedScalar:
         return float          # a 0-d float32 tensor whatever its value
-    if t is list or t is tuple:
-        return (t, *map(_key_part, a))
-    if t is float:
-        return _float_part(a)  # a constant: output sizes may depend on it (scale factors)
-    if t is bool:
-        return _TRUE if a else _FALSE
+    if t is torch.SymInt or t is torch.SymFloat or t is torch.SymBool:
+        return hint(a)        # a size kept from an earlier symbolic step, recorded as its value
     if isinstance(a, torch.Tensor):
         return ("r", tuple(a.shape), a.stride(), a.storage_offset(), a.dtype, a.device)
-    return a
+    return _constant_part(a)
 
 
 def _device_of(args, kwargs) -> torch.device:

@@ -139,6 +139,17 @@ class Trace:
             outputs,
         )
 
+    def release(self) -> None:
+        """Drop everything a trace that has run completely holds. Its objects (thousands per step) are
+        freed now, before the recorder turns the cyclic GC back on, rather than scanned by the
+        collection that turning it on starts."""
+        self.entries = []
+        self.values = []
+        self.metas = {}
+        self.tensors = {}
+        self.storages = {}
+        self.sym_metas = {}
+
     def compacted(self, kept: list[int]) -> "Trace":
         """A trace of only the entries `kept` (indices, in order), renumbered as if only they had been
         recorded: values, storage inputs, eager inputs and lifted scalars that nothing kept refers to
@@ -238,20 +249,28 @@ class Trace:
 
     def check_real_inputs(self, entry_indices: list[int]) -> None:
         """Eager tensors are captured by reference: writing into one after a lazy op read it would make the
-        lazy result silently wrong, so refuse loudly. Only the tensors the entries about to run read."""
-        used = set()
-        for i in entry_indices:
-            for part in self.entries[i].sig:
-                if type(part) is tuple and len(part) == 2 and part[0] == "r":
-                    used.add(part[1])
-            for storage in self.entries[i].reads:
-                index = storage.input_index
-                if storage.epoch == self.epoch and index >= 0 and \
-                        self.storage_inputs[index]._version != self.storage_versions[index]:
-                    raise RuntimeError(
-                        "pydisc: a tensor handed to pydisc without a copy (a module input, or "
-                        "pydisc.to_lazy) was modified in place by eager code after a lazy op used it in "
-                        "this step. Pass a copy (`t.clone()`), or call pydisc.mark_step() before modifying it.")
+        lazy result silently wrong, so refuse loudly. Only the tensors the entries about to run read:
+        when they are all the entries, every input (each was added by an entry that reads it)."""
+        if len(entry_indices) == len(self.entries):
+            stale = [t for t, version in zip(self.storage_inputs, self.storage_versions) if t._version != version]
+            used = range(len(self.real_inputs))
+        else:
+            used = set()
+            stale = []
+            for i in entry_indices:
+                for part in self.entries[i].sig:
+                    if type(part) is tuple and len(part) == 2 and part[0] == "r":
+                        used.add(part[1])
+                for storage in self.entries[i].reads:
+                    index = storage.input_index
+                    if storage.epoch == self.epoch and index >= 0 and \
+                            self.storage_inputs[index]._version != self.storage_versions[index]:
+                        stale.append(storage)
+        if stale:
+            raise RuntimeError(
+                "pydisc: a tensor handed to pydisc without a copy (a module input, or "
+                "pydisc.to_lazy) was modified in place by eager code after a lazy op used it in "
+                "this step. Pass a copy (`t.clone()`), or call pydisc.mark_step() before modifying it.")
         for index in used:
             t, version = self.real_inputs[index], self.real_versions[index]
             if t._version != version:
