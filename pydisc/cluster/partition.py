@@ -188,7 +188,37 @@ def _propose(gm: torch.fx.GraphModule, support: _Support, min_ops: int, max_ops:
         kept = [piece for p in kept for piece in _chunks(p, max_ops, order)]
         for i, p in enumerate(kept):
             p.id = i
+    _getitems_with_producer(kept)
     return kept
+
+
+def _getitems_with_producer(partitions: list[FxPartition]) -> None:
+    """Every getitem of a multi-output node goes into the partition of that node: a cluster cannot
+    return the tuple itself (max_pool2d_with_indices whose indices feed a cluster downstream). A getitem
+    reads only its producer, so moving it there keeps every partition convex."""
+    home = {n: p for p in partitions for n in p.nodes}
+    for p in partitions:
+        for node in list(p.nodes):
+            for user in node.users:
+                if user.op == "call_function" and user.target is operator.getitem and home.get(user) is not p:
+                    if user in home:
+                        _discard(home[user].nodes, user)
+                    _add(p.nodes, user)
+                    home[user] = p
+
+
+def _discard(nodes, node) -> None:     # Partition.nodes is a dict in recent torch, a set before
+    if isinstance(nodes, dict):
+        nodes.pop(node, None)
+    else:
+        nodes.discard(node)
+
+
+def _add(nodes, node) -> None:
+    if isinstance(nodes, dict):
+        nodes[node] = None
+    else:
+        nodes.add(node)
 
 
 def _eager(gm: torch.fx.GraphModule) -> list[str]:
