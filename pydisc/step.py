@@ -175,6 +175,7 @@ def run_pending(target: LazyTensor | None = None, reason: str = "mark_step") -> 
             raise
         if reason == "mark_step":
             RECORDER.end_step()
+        if reason == "mark_step" or not RECORDER.trace.entries:    # nothing left that could be abandoned
             optimizer_state.completed()
 
 

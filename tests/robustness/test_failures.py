@@ -596,3 +596,19 @@ def test_real_cuda_out_of_memory_then_a_smaller_batch(fresh_plans):
         torch.testing.assert_close(l_loss.cpu(), e_loss.detach().cpu(), rtol=1e-4, atol=1e-5)
         for p, q in zip(params(lazy), params(eager)):
             torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+def test_optimizer_counters_after_steps_run_by_reads(monkeypatch, fresh_plans):
+    # steps that never mark but whose reads run everything recorded are complete: a later abandoned step
+    # puts Adam's counters back to their values before it, not to those of the first unmarked step
+    eager, lazy = make_models(width=16)
+    opt = torch.optim.Adam(lazy.parameters(), lr=0.01)
+    for i in range(3):
+        train_step(lazy, opt, i)
+        params(lazy)                     # reads that run the whole step
+    assert [float(s["step"]) for s in optimizer_state(opt)] == [3.0] * 4
+    _inject_output_allocation_oom(monkeypatch)
+    train_step(lazy, opt, 3)
+    with pytest.raises(torch.OutOfMemoryError):
+        pydisc.mark_step()
+    assert [float(s["step"]) for s in optimizer_state(opt)] == [3.0] * 4
