@@ -74,6 +74,8 @@ _EXTRA: list[OpOverload | OpOverloadPacket] = [
     aten.im2col,
     aten.col2im,
     aten.round.decimals,
+    aten.cumprod,
+    aten.max_pool3d_with_indices,
 ]
 
 
@@ -104,6 +106,16 @@ def _pad_backward(forward: OpOverload) -> Callable:
     return backward
 
 
+def _max_pool3d_backward(grad_output: torch.Tensor, x: torch.Tensor, kernel_size: list[int],
+                         stride: list[int], padding: list[int], dilation: list[int], ceil_mode: bool,
+                         indices: torch.Tensor) -> torch.Tensor:
+    """The gradient goes to the input position each window took its maximum from: `indices` holds it
+    flattened over the (D, H, W) plane, so the backward is a scatter-add along the flattened plane."""
+    plane = x.shape[-3] * x.shape[-2] * x.shape[-1]
+    flat = grad_output.new_zeros((*x.shape[:-3], plane))
+    return aten.scatter_add(flat, -1, indices.flatten(-3), grad_output.flatten(-3)).reshape(x.shape)
+
+
 def _gather_backwards() -> dict[OpOverload, Callable]:
     table: dict[OpOverload, Callable] = {}
     for name in ("upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
@@ -111,6 +123,7 @@ def _gather_backwards() -> dict[OpOverload, Callable]:
         table[getattr(aten, name + "_backward").default] = _upsample_backward(getattr(aten, name).default)
     for name in ("replication_pad1d", "replication_pad2d", "replication_pad3d"):
         table[getattr(aten, name + "_backward").default] = _pad_backward(getattr(aten, name).default)
+    table[aten.max_pool3d_with_indices_backward.default] = _max_pool3d_backward
     return table
 
 

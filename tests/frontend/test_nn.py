@@ -158,3 +158,15 @@ def test_avg_pool_ceil_mode_and_3d() -> None:
                 F.avg_pool2d(x, 3, 2, 1, ceil_mode=True, count_include_pad=True)]
 
     check(fn, torch.randn(2, 3, 7, 6), torch.randn(1, 2, 5, 4, 6))
+
+
+def test_max_pool3d_forward_and_backward() -> None:
+    """max_pool3d through torch's decomposition; its backward a scatter-add at the flat indices."""
+    def fn(x: torch.Tensor) -> list[torch.Tensor]:
+        def loss(x):  # noqa: ANN001, ANN202
+            return F.max_pool3d(x, 2).square().sum() + F.max_pool3d(x, 3, 2, 1, ceil_mode=True).exp().sum()
+
+        out, idx = F.max_pool3d(x, 3, 2, 1, return_indices=True)
+        return [out, idx, torch.func.grad(loss)(x), F.max_pool3d(x, 2, 1, 1, dilation=2)]
+
+    check(fn, torch.randn(2, 3, 5, 6, 4))

@@ -114,3 +114,15 @@ def test_scatter_reduce(dtype: torch.dtype) -> None:
 
     x, src = (torch.randn(4, 5) * 5).to(dtype), (torch.randn(4, 6) * 5).to(dtype)
     check(fn, x, torch.randint(0, 5, (4, 3)), src)
+
+
+def test_as_strided_scatter_and_prod_backward() -> None:
+    """as_strided's backward (as_strided_scatter) and prod's (cumprod, through prims.prod)."""
+    def fn(x: torch.Tensor, p: torch.Tensor) -> list[torch.Tensor]:
+        def loss(x, p):  # noqa: ANN001, ANN202
+            return (x.as_strided((3, 2), (2, 5), 1).square().sum() + x.as_strided((2, 2), (1, 1)).exp().sum()
+                    + p.prod(1).sum() + p.prod())
+
+        return list(torch.func.grad(loss, argnums=(0, 1))(x, p)) + [torch.cumprod(p, 0)]
+
+    check(fn, torch.randn(4, 5), torch.rand(3, 4) + 0.5)

@@ -19,6 +19,7 @@ from pydisc.frontend.lowering.symbolic import DynamicShapeError, is_static, same
 __all__ = ["scatter"]
 
 aten = torch.ops.aten
+prims = torch.ops.prims
 
 
 def _dims(values: Sequence[int]) -> str:
@@ -433,18 +434,39 @@ def _as_strided(ctx: LoweringContext, x: Value, size: Sequence[int], stride: Seq
     if ctx.out_spec.numel == 0:
         return b.full(shape, 0, x.dtype)
     flat = b.reshape(x, (x.type.numel,))
-    position = b.full(shape, int(storage_offset or 0), torch.int64)
+    return _gather(
+        b, flat, b.reshape(_strided_positions(b, shape, stride, storage_offset), (*shape, 1)), ctx.out_spec,
+        offset_dims=[], collapsed=[0], start_index_map=[0], index_vector_dim=len(shape), slice_sizes=[1],
+    )
+
+
+def _strided_positions(b: FunctionBuilder, shape: Sequence[int], stride: Sequence[int], offset: int | None) -> Value:
+    """The flat storage position of every element of a strided view: offset + sum(i_d * stride_d)."""
+    position = b.full(shape, int(offset or 0), torch.int64)
     for d, step in enumerate(stride):
         if shape[d] > 1:
             term = b.binary("multiply", b.iota(shape, d, torch.int64), b.full(shape, int(step), torch.int64))
             position = b.binary("add", position, term)
-    return _gather(
-        b, flat, b.reshape(position, (*shape, 1)), ctx.out_spec, offset_dims=[], collapsed=[0],
-        start_index_map=[0], index_vector_dim=len(shape), slice_sizes=[1],
-    )
+    return position
 
 
-@support_check(aten.as_strided.default, aten.as_strided_copy.default)
+@lowering(prims.as_strided_scatter.default)
+def _as_strided_scatter(ctx: LoweringContext, x: Value, src: Value, size: Sequence[int], stride: Sequence[int],
+                        storage_offset: int | None = None) -> Value:
+    """`x` (contiguous, its own storage) with the strided view's elements replaced by `src`: a scatter
+    at the flat positions the view reads (the backward of as_strided)."""
+    b = ctx.builder
+    if math.prod(size) == 0:
+        return x
+    flat = b.reshape(x, (x.type.numel,))
+    positions = b.reshape(_strided_positions(b, size, stride, storage_offset), (*size, 1))
+    numbers = (f"#stablehlo.scatter<update_window_dims = [], inserted_window_dims = [0], "
+               f"scatter_dims_to_operand_dims = [0], index_vector_dim = {len(size)}>")
+    written = _scatter_op(b, flat, positions, b.reshape(b.convert(src, x.dtype), tuple(size)), numbers, None)
+    return b.reshape(written, x.shape)
+
+
+@support_check(aten.as_strided.default, aten.as_strided_copy.default, prims.as_strided_scatter.default)
 def _as_strided_check(node: torch.fx.Node) -> str | None:
     source = node.args[0].meta["val"]  # type: ignore[union-attr]
     if not source.is_contiguous() or source.storage_offset() != 0:

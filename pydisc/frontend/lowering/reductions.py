@@ -78,8 +78,8 @@ def _mean(ctx: LoweringContext, x: Value, dim: Sequence[int] | None = None, keep
     return b.reshape(b.convert(mean, ctx.out_dtype), ctx.out_spec.shape)
 
 
-@lowering(aten.prod.default, aten.prod.dim_int, dynamic=True)
-def _prod(ctx: LoweringContext, x: Value, dim: int | None = None, keepdim: bool = False, **_: object) -> Value:
+@lowering(aten.prod.default, aten.prod.dim_int, prims.prod.default, dynamic=True)
+def _prod(ctx: LoweringContext, x: Value, dim: Sequence[int] | int | None = None, keepdim: bool = False, **_: object) -> Value:
     b = ctx.builder
     acc = compute_dtype(ctx.out_dtype)
     result = _reduce(b, b.convert(x, acc), reduce_dims(x, dim), "multiply")
