@@ -116,6 +116,31 @@ def _max_pool3d_backward(grad_output: torch.Tensor, x: torch.Tensor, kernel_size
     return aten.scatter_add(flat, -1, indices.flatten(-3), grad_output.flatten(-3)).reshape(x.shape)
 
 
+def _adaptive_weights(out_size: int, in_size: int, like: torch.Tensor) -> torch.Tensor:
+    """(out_size, in_size): row i averages input positions floor(i*in/out) .. ceil((i+1)*in/out) - 1,
+    adaptive average pooling's windows along one dim."""
+    i = torch.arange(out_size, device=like.device)
+    start = torch.div(i * in_size, out_size, rounding_mode="floor")
+    end = torch.div((i + 1) * in_size + out_size - 1, out_size, rounding_mode="floor")
+    h = torch.arange(in_size, device=like.device)
+    window = (h[None, :] >= start[:, None]) & (h[None, :] < end[:, None])
+    return window.to(torch.float32) / (end - start)[:, None].to(torch.float32)
+
+
+def _adaptive_apply(x: torch.Tensor, sizes: list[int], transpose: bool) -> torch.Tensor:
+    """Adaptive average pooling (or, with `transpose`, its backward) of the last len(sizes) dims of `x`,
+    one dim at a time: a matmul with that dim's window weights, in float32."""
+    dtype = x.dtype
+    y = x.to(torch.float32)
+    spatial = len(sizes)
+    for k in range(spatial):
+        dim = y.dim() - spatial + k
+        weights = _adaptive_weights(y.shape[dim], sizes[k], y) if transpose else \
+            _adaptive_weights(sizes[k], y.shape[dim], y)
+        y = torch.matmul(y.movedim(dim, -1), weights.t() if not transpose else weights).movedim(-1, dim)
+    return y.to(dtype)
+
+
 def _gather_backwards() -> dict[OpOverload, Callable]:
     table: dict[OpOverload, Callable] = {}
     for name in ("upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
@@ -124,6 +149,9 @@ def _gather_backwards() -> dict[OpOverload, Callable]:
     for name in ("replication_pad1d", "replication_pad2d", "replication_pad3d"):
         table[getattr(aten, name + "_backward").default] = _pad_backward(getattr(aten, name).default)
     table[aten.max_pool3d_with_indices_backward.default] = _max_pool3d_backward
+    table[aten._adaptive_avg_pool2d_backward.default] = lambda g, x: _adaptive_apply(g, list(x.shape[-2:]), True)
+    table[aten._adaptive_avg_pool3d_backward.default] = lambda g, x: _adaptive_apply(g, list(x.shape[-3:]), True)
+    table[aten._adaptive_avg_pool3d.default] = lambda x, size: _adaptive_apply(x, list(size), False)
     return table
 
 

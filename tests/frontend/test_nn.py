@@ -170,3 +170,17 @@ def test_max_pool3d_forward_and_backward() -> None:
         return [out, idx, torch.func.grad(loss)(x), F.max_pool3d(x, 2, 1, 1, dilation=2)]
 
     check(fn, torch.randn(2, 3, 5, 6, 4))
+
+
+def test_adaptive_avg_pool_backward_and_3d() -> None:
+    """Adaptive average pooling's backwards (and the 3d forward): per dim, a matmul with the windows'
+    averaging weights, uneven windows included."""
+    def fn(x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+        def loss(x, y):  # noqa: ANN001, ANN202
+            return (F.adaptive_avg_pool2d(x, (3, 2)).square().sum() + F.adaptive_avg_pool1d(x[0], 4).exp().sum()
+                    + F.adaptive_avg_pool3d(y, (2, 3, 3)).square().sum())
+
+        return list(torch.func.grad(loss, argnums=(0, 1))(x, y)) + [F.adaptive_avg_pool3d(y, 1),
+                                                                    F.adaptive_avg_pool3d(y, (3, 2, 4))]
+
+    check(fn, torch.randn(2, 3, 7, 5), torch.randn(2, 3, 5, 7, 4), atol=1e-5, rtol=1e-5)

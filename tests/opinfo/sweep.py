@@ -151,6 +151,8 @@ def render(results: list[CaseResult], command: str, samples: int, seconds: float
         f"Up to {samples} samples per op and dtype (the first ones OpInfo generates); samples that eager",
         "itself rejects are skipped. Random ops (randn, dropout, ...) are not measured: their values",
         "cannot be compared sample by sample. Outputs of `empty*` are compared by dtype and shape only.",
+        "Each case runs with static plans (`CONFIG.dynamic` off): one compile per shape, as the first step",
+        "of a new shape would otherwise run eagerly under the dynamic-shape policy (docs/dynamic.md).",
         "",
         "**Which ops**: OpInfo entries whose ATen op is in torch's Core ATen set (overloads tagged",
         "`torch.Tag.core`), matched by `OpInfo.aten_name`/`name`, plus a by-name map for core ops whose",

@@ -23,12 +23,12 @@ FORWARD_F32 = [
     "sum", "mean", "amax", "argmax", "max.reduction_with_dim", "var", "prod", "mm", "bmm", "addmm",
     "cat", "permute", "expand", "squeeze", "select", "flip", "constant_pad_nd", "gather",
     "index_select", "scatter_add", "cumsum", "full", "nn.functional.relu", "nn.functional.embedding",
-    "nn.functional.max_pool2d", "sort",
+    "nn.functional.max_pool2d", "sort", "tan", "scatter_reduce.amax", "nn.functional.pad.reflect",
 ]
 BACKWARD_F32 = [
     "mul", "div.no_rounding_mode", "tanh", "sum", "mean", "amax", "addmm", "cat", "gather", "softmax",
     "log_softmax", "nn.functional.gelu", "nn.functional.conv2d", "nn.functional.layer_norm",
-    "nn.functional.max_pool2d",
+    "nn.functional.max_pool2d", "nn.functional.interpolate.nearest", "nn.functional.adaptive_avg_pool2d",
 ]
 OTHER = [
     ("add", bf16, False), ("mul", bf16, True), ("sum", bf16, True), ("mm", bf16, False),
