@@ -216,11 +216,16 @@ class _NoMatch(Exception):
     pass
 
 
+# Why the last template tried did not fit (shown in the recompile reason of a step that ran eagerly).
+LAST_MISMATCH = [""]
+
+
 def match_template(template: Template, trace: Trace, executed: list[int], outputs: tuple) -> Binding | None:
     """Bind the concrete step (`executed` entries of `trace`, `outputs`) to `template`, or None."""
     try:
         return _match(template, trace, executed, outputs)
-    except _NoMatch:
+    except _NoMatch as e:
+        LAST_MISMATCH[0] = str(e)
         return None
 
 

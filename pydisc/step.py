@@ -378,7 +378,9 @@ def _plan_concrete(trace: Trace, key: tuple, executed: list[int], outputs: tuple
             # these shapes; after two such steps in a row, record the next step as a new template
             dynamic.DYNAMIC.misses += 1
             dynamic.DYNAMIC.force_symbolic = dynamic.DYNAMIC.misses >= 2
-            run_eagerly("a step with dynamic inputs matches no dynamic-shape plan; it runs eagerly%s" % (
+            why = dynamic.LAST_MISMATCH[0] if dynamic.DYNAMIC.templates else ""
+            run_eagerly("a step with dynamic inputs matches no dynamic-shape plan%s; it runs eagerly%s" % (
+                " (the last template tried: %s)" % why if why else "",
                 " and the next one is recorded as a new template" if dynamic.DYNAMIC.force_symbolic else ""))
             return None
     if seen is not None:
