@@ -277,3 +277,24 @@ def test_training_step_equals_eager_with_both_executors(executor):
         for p, e in zip(params, eager_params):
             torch.testing.assert_close(p, e, rtol=1e-4, atol=1e-5)
         assert (METRICS.direct_launches > 0) == (which == "direct")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_gpus_load_and_launch_their_own_modules(executor):
+    """The same cluster on cuda:0 and cuda:1: one module per device, each launched in its own device's
+    context and stream, while torch's current device stays cuda:0."""
+    executor("direct")
+    METRICS.reset()
+    fn = lambda x, w: F.layer_norm(x, (64,), w) * 2 + x.sum(0)             # noqa: E731
+    torch.cuda.set_device(0)
+    results = {}
+    for index in (0, 1, 0, 1):
+        dev = torch.device("cuda", index)
+        torch.manual_seed(index)
+        x, w = torch.randn(32, 64, device=dev), torch.randn(64, device=dev)
+        got = _run_pydisc(fn, [x, w], {})[0]
+        torch.testing.assert_close(got, fn(x, w).cpu())
+        results[index] = got
+        assert torch.cuda.current_device() == 0
+    assert METRICS.direct_launches > 0 and not METRICS.direct_launch_fallbacks
