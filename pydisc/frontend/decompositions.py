@@ -141,6 +141,23 @@ def _adaptive_apply(x: torch.Tensor, sizes: list[int], transpose: bool) -> torch
     return y.to(dtype)
 
 
+def _linear_backward(grad_output: torch.Tensor, output_size: list[int], input_size: list[int],
+                     align_corners: bool, *scales: float | None) -> torch.Tensor:
+    """Backward of linear/bilinear/trilinear upsampling: separable, so per dim a matmul with the
+    transposed interpolation weights, which the forward (linear 1d, decomposed) gives when run on the
+    identity matrix."""
+    spatial = len(output_size)
+    scales = scales + (None,) * (spatial - len(scales))
+    dtype = grad_output.dtype
+    y = grad_output.to(torch.float32)
+    for k in range(spatial):
+        dim = y.dim() - spatial + k
+        eye = torch.eye(input_size[2 + k], dtype=torch.float32, device=y.device)
+        weights = aten.upsample_linear1d(eye[None], [output_size[k]], align_corners, scales[k])[0]   # (in, out)
+        y = torch.matmul(y.movedim(dim, -1), weights.t()).movedim(-1, dim)
+    return y.to(dtype)
+
+
 def _gather_backwards() -> dict[OpOverload, Callable]:
     table: dict[OpOverload, Callable] = {}
     for name in ("upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
@@ -152,6 +169,8 @@ def _gather_backwards() -> dict[OpOverload, Callable]:
     table[aten._adaptive_avg_pool2d_backward.default] = lambda g, x: _adaptive_apply(g, list(x.shape[-2:]), True)
     table[aten._adaptive_avg_pool3d_backward.default] = lambda g, x: _adaptive_apply(g, list(x.shape[-3:]), True)
     table[aten._adaptive_avg_pool3d.default] = lambda x, size: _adaptive_apply(x, list(size), False)
+    for name in ("upsample_linear1d", "upsample_bilinear2d", "upsample_trilinear3d"):
+        table[getattr(aten, name + "_backward").default] = _linear_backward
     return table
 
 

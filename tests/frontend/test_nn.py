@@ -184,3 +184,18 @@ def test_adaptive_avg_pool_backward_and_3d() -> None:
                                                                     F.adaptive_avg_pool3d(y, (3, 2, 4))]
 
     check(fn, torch.randn(2, 3, 7, 5), torch.randn(2, 3, 5, 7, 4), atol=1e-5, rtol=1e-5)
+
+
+def test_linear_upsampling_backward() -> None:
+    """Backwards of linear/bilinear/trilinear upsampling (no torch decomposition): per dim, a matmul with
+    the interpolation weights, taken from the forward run on the identity."""
+    def fn(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> list[torch.Tensor]:
+        def loss(x, y, z):  # noqa: ANN001, ANN202
+            return (F.interpolate(x, size=(7, 3), mode="bilinear").square().sum()
+                    + F.interpolate(x, scale_factor=1.7, mode="bilinear", align_corners=True).exp().sum()
+                    + F.interpolate(y, size=9, mode="linear").square().sum()
+                    + F.interpolate(z, scale_factor=(2, 1.5, 0.6), mode="trilinear").square().sum())
+
+        return list(torch.func.grad(loss, argnums=(0, 1, 2))(x, y, z))
+
+    check(fn, torch.randn(2, 3, 4, 5), torch.randn(2, 3, 6), torch.randn(1, 2, 3, 4, 5), atol=1e-5, rtol=1e-5)
