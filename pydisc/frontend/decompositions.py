@@ -158,6 +158,33 @@ def _linear_backward(grad_output: torch.Tensor, output_size: list[int], input_si
     return y.to(dtype)
 
 
+def _masked_positions(mask: torch.Tensor) -> torch.Tensor:
+    """For each element of `mask` (flattened), the index of the source element masked_scatter puts
+    there: the number of True elements before it (its own included) - 1, clamped at 0 where none."""
+    return (torch.cumsum(mask.reshape(-1).to(torch.int64), 0) - 1).clamp(min=0)
+
+
+def _masked_scatter(x: torch.Tensor, mask: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """The k-th True position of `mask` takes source's k-th element: a gather at the running count of
+    True elements, static in shape (unlike masked_select)."""
+    shape = torch.broadcast_shapes(x.shape, mask.shape)
+    mask = mask.expand(shape)
+    picked = aten.index(source.reshape(-1), [_masked_positions(mask)]).reshape(shape)
+    return torch.where(mask, picked, x.expand(shape))
+
+
+def _masked_scatter_backward(grad_output: torch.Tensor, mask: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """Source's gradient: the output gradient at the k-th True position of `mask` goes to element k."""
+    numel = 1
+    for s in sizes:
+        numel *= s
+    mask = mask.expand(grad_output.shape)
+    values = torch.where(mask, grad_output, torch.zeros_like(grad_output)).reshape(-1)
+    # positions stay below numel: eager requires a source with at least as many elements as True's
+    flat = aten.index_put(grad_output.new_zeros((numel,)), [_masked_positions(mask)], values, True)
+    return flat.reshape(sizes)
+
+
 def _gather_backwards() -> dict[OpOverload, Callable]:
     table: dict[OpOverload, Callable] = {}
     for name in ("upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
@@ -171,6 +198,8 @@ def _gather_backwards() -> dict[OpOverload, Callable]:
     table[aten._adaptive_avg_pool3d.default] = lambda x, size: _adaptive_apply(x, list(size), False)
     for name in ("upsample_linear1d", "upsample_bilinear2d", "upsample_trilinear3d"):
         table[getattr(aten, name + "_backward").default] = _linear_backward
+    table[aten.masked_scatter.default] = _masked_scatter
+    table[aten.masked_scatter_backward.default] = _masked_scatter_backward
     return table
 
 

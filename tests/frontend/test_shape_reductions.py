@@ -126,3 +126,16 @@ def test_as_strided_scatter_and_prod_backward() -> None:
         return list(torch.func.grad(loss, argnums=(0, 1))(x, p)) + [torch.cumprod(p, 0)]
 
     check(fn, torch.randn(4, 5), torch.rand(3, 4) + 0.5)
+
+
+def test_masked_scatter_forward_and_backward() -> None:
+    """masked_scatter without a data-dependent shape: the k-th True position takes source's k-th element
+    (a gather at the running count of True's); the source's gradient is the transpose (a scatter-add)."""
+    def fn(x: torch.Tensor, mask: torch.Tensor, row: torch.Tensor, src: torch.Tensor) -> list[torch.Tensor]:
+        def loss(x, src):  # noqa: ANN001, ANN202
+            return x.masked_scatter(mask, src).square().sum() + x.masked_scatter(row, src).exp().sum()
+
+        return [x.masked_scatter(mask, src), x.masked_scatter(row, src),
+                (x > 0).masked_scatter(mask, src > 0), *torch.func.grad(loss, argnums=(0, 1))(x, src)]
+
+    check(fn, torch.randn(3, 4), torch.rand(3, 4) > 0.5, torch.tensor([True, False, True, True]), torch.randn(15))
