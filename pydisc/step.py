@@ -560,6 +560,7 @@ def _bind(trace: Trace, outputs: tuple, results: list[torch.Tensor], executed: l
     for s in touched:
         s.written = False
     trace.entries = [trace.entries[i] for i in remaining]
+    trace.partly_run = True
     for e in trace.entries:
         for s in e.writes:
             s.written = True

@@ -114,6 +114,8 @@ class Trace:
     # this step's concrete numbers)
     sym_metas: dict[int, tuple] = field(default_factory=dict)
     symbolic: Any = None            # the SymbolicStep of a symbolic step
+    # a read ran part of this trace and removed those entries: some inputs may no longer be read by any
+    partly_run: bool = False
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -250,8 +252,9 @@ class Trace:
     def check_real_inputs(self, entry_indices: list[int]) -> None:
         """Eager tensors are captured by reference: writing into one after a lazy op read it would make the
         lazy result silently wrong, so refuse loudly. Only the tensors the entries about to run read:
-        when they are all the entries, every input (each was added by an entry that reads it)."""
-        if len(entry_indices) == len(self.entries):
+        when they are all the entries of a trace none of which ran yet, every input (each was added by
+        an entry that reads it)."""
+        if len(entry_indices) == len(self.entries) and not self.partly_run:
             stale = [t for t, version in zip(self.storage_inputs, self.storage_versions) if t._version != version]
             used = range(len(self.real_inputs))
         else:
