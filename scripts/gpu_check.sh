@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # What to run on the GPU machine (see ../shared/device/README.md for carrying IREE there):
 #   scripts/gpu_check.sh OUTDIR [NAME ...]
-# NAMEs (default: all, about 17 minutes): cuda_tests bench_direct mnist bert_mlm gpt_char resnet inference
-# mnist_iree bert_mlm_iree. Each runs with a time limit, its log in OUTDIR/NAME.log, a line in
+# NAMEs (default: all, about 20 minutes): cuda_tests bench_direct torch_mlir_route long_run mnist bert_mlm
+# gpt_char resnet inference mnist_iree bert_mlm_iree. Each runs with a time limit, its log in OUTDIR/NAME.log, a line in
 # OUTDIR/summary.txt. The examples train eager and pydisc side by side on CUDA; the *_iree ones repeat
 # them with PYDISC_GPU_EXECUTOR=iree (IREE's runtime instead of pydisc's direct kernel launch).
 set -u
 out=${1:-gpu-logs}
 shift || true
-names=${*:-cuda_tests bench_direct mnist bert_mlm gpt_char resnet inference mnist_iree bert_mlm_iree}
+names=${*:-cuda_tests bench_direct torch_mlir_route long_run mnist bert_mlm gpt_char resnet inference mnist_iree bert_mlm_iree}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 nvidia-smi -L > "$out/gpu.txt" 2>&1
@@ -22,6 +22,8 @@ for name in $names; do
     case $name in
         cuda_tests) run cuda_tests 200 python -m pytest -q -p no:logging --tb=short -m cuda tests ;;
         bench_direct) run bench_direct 90 python bench/direct_launch.py --repeats 200 ;;
+        torch_mlir_route) run torch_mlir_route 150 python -m pytest -q -p no:logging --tb=short tests/exec/test_torch_mlir_route.py ;;
+        long_run) run long_run 240 python scripts/long_run.py --device cuda ;;
         mnist) run mnist 120 python examples/mnist.py --device cuda ;;
         bert_mlm) run bert_mlm 150 python examples/bert_mlm.py --device cuda ;;
         gpt_char) run gpt_char 150 python examples/gpt_char.py --device cuda ;;
