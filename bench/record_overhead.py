@@ -5,9 +5,11 @@ For each model, one training step (forward, backward, SGD with momentum) is time
     the step's `recorded_ops`; `mark_step()` on the warm plan (plan cache hit) is timed on its own;
   - eager: the whole step, divided by the number of ATen ops it runs (counted once with a
     TorchDispatchMode, so the count includes the ops autograd runs in backward).
-Medians over repeats after warm-up steps (which also compile the pydisc plans).
+Medians over repeats after warm-up steps (which also compile the pydisc plans); `--stat min` takes the
+fastest step instead, the better figure on a machine shared with other jobs (their load only ever adds
+time). The eager and pydisc steps alternate, so the record/eager ratio sees the same load.
 
-    python bench/record_overhead.py [--repeats 50]
+    python bench/record_overhead.py [--repeats 50] [--stat median|min]
 """
 from __future__ import annotations
 
@@ -100,7 +102,7 @@ class Result:
     lookup_bind_ms: float    # mark_step minus its runner: key, plan cache lookup, binding results
 
 
-def measure(workload: Workload, repeats: int, warmup: int) -> Result:
+def measure(workload: Workload, repeats: int, warmup: int, stat: Callable[[list[float]], float]) -> Result:
     torch.manual_seed(0)
     eager = workload.make_model()
     lazy = pydisc.lazy(copy.deepcopy(eager))
@@ -136,7 +138,7 @@ def measure(workload: Workload, repeats: int, warmup: int) -> Result:
         raise RuntimeError("recorded op count changed between repeats: %s" % sorted(set(recorded)))
     if len(run_s) != repeats:
         raise RuntimeError("expected one warm plan run per step, got %d runs in %d steps" % (len(run_s), repeats))
-    ms = lambda seconds: 1e3 * statistics.median(seconds)  # noqa: E731
+    ms = lambda seconds: 1e3 * stat(seconds)  # noqa: E731
     return Result(workload.name, counter.count, 1e3 * ms(eager_s) / counter.count, recorded[0],
                   1e3 * ms(record_s) / recorded[0], ms(eager_s), ms(record_s), ms(mark_s),
                   ms([m - r for m, r in zip(mark_s, run_s)]))
@@ -171,11 +173,14 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads for eager (default 1: recording is single-threaded, and "
                         "one thread keeps eager timings stable on a small shared machine)")
+    p.add_argument("--stat", choices=("median", "min"), default="median",
+                   help="per-step statistic of each column (min: the fastest step, for a loaded machine)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    results = [measure(w, args.repeats, args.warmup) for w in WORKLOADS]
-    print("torch %s, %d thread(s), median of %d steps after %d warm-up steps"
-          % (torch.__version__, torch.get_num_threads(), args.repeats, args.warmup))
+    stat = statistics.median if args.stat == "median" else min
+    results = [measure(w, args.repeats, args.warmup, stat) for w in WORKLOADS]
+    print("torch %s, %d thread(s), %s of %d steps after %d warm-up steps"
+          % (torch.__version__, torch.get_num_threads(), args.stat, args.repeats, args.warmup))
     print()
     print("| model | eager ATen ops | eager us/op | recorded ops | record us/op | record/eager "
           "| eager step | pydisc record + mark_step (lookup+bind / run) |")
