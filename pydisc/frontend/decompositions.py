@@ -185,6 +185,22 @@ def _masked_scatter_backward(grad_output: torch.Tensor, mask: torch.Tensor, size
     return flat.reshape(sizes)
 
 
+def _diagonal_scatter(x: torch.Tensor, src: torch.Tensor, offset: int = 0, dim1: int = 0,
+                      dim2: int = 1) -> torch.Tensor:
+    """diagonal_scatter as a select (torch's decomposition writes into a diagonal view with copy_,
+    which is left as an in-place op): with dim1, dim2 moved last, position (r, c) with c - r == offset
+    takes src[..., r - max(-offset, 0)]."""
+    if src.shape[-1] == 0:
+        return x.clone()
+    moved = x.movedim((dim1, dim2), (-2, -1))
+    rows = torch.arange(moved.shape[-2], device=x.device)
+    cols = torch.arange(moved.shape[-1], device=x.device)
+    on = (cols[None, :] - rows[:, None]) == offset
+    k = (rows - max(-offset, 0)).clamp(0, src.shape[-1] - 1)
+    values = src.index_select(-1, k).unsqueeze(-1).to(x.dtype)
+    return torch.where(on, values, moved).movedim((-2, -1), (dim1, dim2))
+
+
 def _gather_backwards() -> dict[OpOverload, Callable]:
     table: dict[OpOverload, Callable] = {}
     for name in ("upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
@@ -200,6 +216,7 @@ def _gather_backwards() -> dict[OpOverload, Callable]:
         table[getattr(aten, name + "_backward").default] = _linear_backward
     table[aten.masked_scatter.default] = _masked_scatter
     table[aten.masked_scatter_backward.default] = _masked_scatter_backward
+    table[aten.diagonal_scatter.default] = _diagonal_scatter
     return table
 
 

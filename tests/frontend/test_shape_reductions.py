@@ -139,3 +139,14 @@ def test_masked_scatter_forward_and_backward() -> None:
                 (x > 0).masked_scatter(mask, src > 0), *torch.func.grad(loss, argnums=(0, 1))(x, src)]
 
     check(fn, torch.randn(3, 4), torch.rand(3, 4) > 0.5, torch.tensor([True, False, True, True]), torch.randn(15))
+
+
+def test_diagonal_scatter_and_diagonal_backward() -> None:
+    """diagonal_scatter as a select (torch's decomposition writes with copy_ into a view)."""
+    aten = torch.ops.aten
+
+    def fn(x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+        return [aten.diagonal_backward(x[0, :3], [4, 5], 2, 0, 1), aten.diagonal_backward(y[0, :3, :1], [2, 3, 4], -1, 2, 0),
+                torch.diagonal_scatter(x, x[0, :3] * 2, -1), torch.diagonal_scatter(y, y[0, :3, :1], 1, 2, 0)]
+
+    check(fn, torch.randn(4, 5), torch.randn(2, 3, 4))
