@@ -12,6 +12,8 @@
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.utils._mode_utils import no_dispatch
 
@@ -176,6 +178,23 @@ def _inplace_metadata(view_op):
     return rewrite
 
 
+def _resize(func, args, kwargs):
+    """`x.resize_(size)`: a no-op at the same size, a view (taking the tensor's place, as above) at the
+    same number of elements of a contiguous tensor; anything else would need new storage under a
+    wrapper whose sizes torch fixed when it was made: a clear error instead of a silently stale shape."""
+    target, size = args[0], tuple(args[1])
+    if not isinstance(target, LazyTensor):
+        return NotImplemented
+    if size == tuple(target.shape):
+        return target
+    if math.prod(size) == target.numel() and target.is_contiguous():
+        return _inplace_metadata(lambda t, s, **_: aten.view.default(t, s))(func, (target, list(size)), {})
+    raise RuntimeError(
+        "pydisc: resize_ of a lazy tensor from %s to %s changes its number of elements, which a lazy tensor "
+        "cannot do in place; make a new tensor instead (x = x.new_empty(size)), or resize an eager "
+        "tensor (x.cpu() or after pydisc.mark_step())" % (tuple(target.shape), size))
+
+
 def _same_arguments(op, packet):
     """The overload of `packet` that takes the arguments `op` takes (transpose_.default: transpose.int)."""
     types = [str(a.type) for a in op._schema.arguments]
@@ -219,5 +238,6 @@ def install_rewrites() -> None:
     # conjugate and negative views are flag bits on a tensor, which a layout-only view cannot carry
     r[aten._conj.default] = lambda func, args, kwargs: aten.conj_physical.default(*args, **kwargs)
     r[aten._neg_view.default] = lambda func, args, kwargs: aten.neg.default(*args, **kwargs)
+    r[aten.resize_.default] = _resize
     r[aten.cudnn_batch_norm.default] = _cudnn_batch_norm
     r[aten.cudnn_batch_norm_backward.default] = _cudnn_batch_norm_backward

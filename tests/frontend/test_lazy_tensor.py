@@ -237,3 +237,17 @@ def test_wrapped_tensor_modified_by_eager_code_is_refused():
     with pytest.raises(RuntimeError, match="without a copy"):
         pydisc.mark_step()
     del y
+
+
+def test_resize_in_place_same_size_view_or_clear_error():
+    x = pydisc.to_lazy(torch.arange(12.0))
+    y = x * 2
+    y.resize_(3, 4)                              # same number of elements: a view in place
+    assert y.shape == (3, 4)
+    z = y + 1
+    y.resize_(3, 4)                              # same size: nothing happens
+    with pytest.raises(RuntimeError, match="resize_ of a lazy tensor"):
+        y.resize_(5, 5)                          # new storage: refused, not a stale shape
+    pydisc.mark_step()
+    torch.testing.assert_close(z.cpu(), (torch.arange(12.0) * 2).view(3, 4) + 1)
+    assert y.cpu().shape == (3, 4)
