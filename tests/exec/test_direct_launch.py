@@ -128,6 +128,29 @@ def test_schedule_is_read_and_covers_every_output(name):
                 assert all(hi <= values[schedule.transients[index]] for _, hi in spans)
 
 
+SCATTER_INTO_INPUT = """func.func @main(%x: tensor<4xf32>, %i: tensor<6x1xi64>, %u: tensor<6xf32>,
+                 %out0: tensor<4xf32> {iree.abi.output = 0 : index}) -> tensor<4xf32> {
+  %r = "stablehlo.scatter"(%x, %i, %u) ({
+    ^bb0(%a: tensor<f32>, %b: tensor<f32>):
+      %s = stablehlo.add %a, %b : tensor<f32>
+      stablehlo.return %s : tensor<f32>
+  }) {scatter_dimension_numbers = #stablehlo.scatter<update_window_dims = [], inserted_window_dims = [0],
+      scatter_dims_to_operand_dims = [0], index_vector_dim = 1>, indices_are_sorted = false,
+      unique_indices = false} : (tensor<4xf32>, tensor<6x1xi64>, tensor<6xf32>) -> tensor<4xf32>
+  return %r : tensor<4xf32>
+}"""
+
+
+def test_inputs_iree_writes_in_place_are_listed():
+    """IREE ties a scatter's result to its operand and writes the input's buffer: the schedule lists
+    that argument, so the launcher runs the module on a copy of it (tools/repros/exec_inplace_writes_input.py
+    shows IREE's runtime path writing the caller's tensor)."""
+    _, schedule = split_bundle(compile_bundle(ireec.compile_str, SCATTER_INTO_INPUT, "stablehlo",
+                                              CUDA_DIRECT_TARGET.flags))
+    assert isinstance(schedule, Schedule)
+    assert 0 in schedule.written and 1 not in schedule.written and 2 not in schedule.written
+
+
 def test_unreadable_module_is_reported_not_launched():
     """A module whose host code holds a constant buffer (not handled): the bundle says why."""
     text = """func.func @main(%a: tensor<4xf32>, %out0: tensor<4xf32> {iree.abi.output = 0 : index}) -> tensor<4xf32> {
@@ -193,6 +216,21 @@ def test_direct_equals_runtime_and_eager(name, executor):
         for d, r, e in zip(direct, runtime, eager):
             torch.testing.assert_close(d, r, rtol=0, atol=0)        # the same kernels: bit-identical
             torch.testing.assert_close(d, e.cpu(), equal_nan=True)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_an_input_iree_writes_in_place_is_left_untouched(executor):
+    from pydisc.exec import compile_module
+    executor("direct")
+    module = compile_module(SCATTER_INTO_INPUT, torch.device("cuda", 0))
+    x = torch.zeros(4, device="cuda")
+    idx = torch.tensor([[0], [0], [1], [1], [1], [3]], device="cuda")
+    src = torch.ones(6, device="cuda")
+    for _ in range(3):
+        out = torch.empty(4, device="cuda")
+        module.run([x, idx, src], [out])
+        assert out.tolist() == [2.0, 3.0, 0.0, 1.0] and x.tolist() == [0.0] * 4
 
 
 @pytest.mark.cuda

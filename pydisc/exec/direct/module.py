@@ -31,7 +31,7 @@ from .schedule import Schedule, extract_schedule
 
 __all__ = ["DirectModule", "compile_bundle", "load_bundle"]
 
-_BUNDLE_MAGIC = b"PDDL1\0"
+_BUNDLE_MAGIC = b"PDDL2\0"   # the schedule's format: older bundles fail to load and are compiled again
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _empty = torch.empty
 _u8 = torch.uint8
@@ -149,6 +149,7 @@ class DirectModule:
         self.schedule = schedule
         self._index = session.device.index
         self._plans: dict = {}
+        self._written = frozenset(schedule.written)   # arguments the module writes (inputs get copied)
         executable = read_executables(vmfb)
         used = check_kernels(executable, schedule)
         cuda = driver()
@@ -240,15 +241,17 @@ class DirectModule:
         key = tuple(buffers[p] if d < 0 else buffers[p].shape[d] for p, d in reads) if reads else ()
         out_ptrs = {o.untyped_storage().data_ptr() for o in outputs if o.numel()}
         pointers = []
+        written = self._written
         for t in inputs:
             if type(t) is int:
                 pointers.append(0)
                 continue
             if not (t.is_contiguous() and (ptr := t.data_ptr()) % ALIGNMENT == 0) or (
                 t.numel() and t.untyped_storage().data_ptr() in out_ptrs
-            ):
-                # kernels need dense, aligned memory (a misaligned address is a sticky CUDA fault), and an
-                # input must not share memory with an output
+            ) or len(pointers) in written:
+                # kernels need dense, aligned memory (a misaligned address is a sticky CUDA fault), an
+                # input must not share memory with an output, and an input IREE writes in place (a
+                # scatter's operand tied to its result) is the module's own copy
                 t = dense_copy(t)
                 ptr = t.data_ptr()
                 buffers[len(pointers)] = t

@@ -89,6 +89,8 @@ class Schedule:
       (`hal.buffer_view.assert`), or None;
     - `program`: instructions `[op, result, ...]` (see `evaluate`);
     - `transients`: value ids of the byte sizes of the transient buffers;
+    - `written`: the arguments some command writes (IREE may write an input in place when it ties a
+      result to it, e.g. a scatter's operand): the launcher copies such inputs first;
     - `commands`: `["dispatch", kernel, [grid x, y, z], [push constants], [[buffer, offset, length]...]]`,
       `["copy", src, src_offset, dst, dst_offset, length]`, `["fill", buffer, offset, length, value,
       bytes]`; a buffer is `["arg", position]` or `["transient", index]`.
@@ -101,6 +103,7 @@ class Schedule:
     widths: list
     transients: list
     commands: list
+    written: list
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, separators=(",", ":"))
@@ -217,6 +220,7 @@ class _Extractor:
         self.constants: dict = {}   # (value, width) -> id, so repeated constants share an id
         self.kernels: dict = {}     # kernel name -> (count region block, workgroup size)
         self.shapes: list = [None] * arguments
+        self.written: list = []
         self.element_types: dict = {}   # mlir Value of a hal.element_type -> element bytes
 
     def new(self, width: int) -> int:
@@ -244,6 +248,10 @@ class _Extractor:
         except KeyError:
             raise LaunchUnsupported("a buffer that is neither an argument nor a transient (a constant "
                                     "or a global resource)") from None
+
+    def wrote(self, base: list) -> None:
+        if base[0] == "arg" and base[1] not in self.written:
+            self.written.append(base[1])
 
     def at(self, value, offset: int) -> tuple[list, int]:
         """(base buffer, value id of the byte offset) of `value[offset]`, through subviews."""
@@ -421,6 +429,7 @@ class _Extractor:
                 src, _, src_offset, dst, _, dst_offset, length = op.operands
                 self.commands.append(["copy", *self.at(src, self.int_of(src_offset)),
                                       *self.at(dst, self.int_of(dst_offset)), self.int_of(length)])
+                self.wrote(self.commands[-1][3])
             elif name == "stream.cmd.fill":
                 target, _, offset, length, value = op.operands
                 width = _width(value.type)
@@ -428,6 +437,7 @@ class _Extractor:
                     raise LaunchUnsupported("fill with a %d-bit pattern" % width)
                 self.commands.append(["fill", *self.at(target, self.int_of(offset)), self.int_of(length),
                                       self.int_of(value), width // 8])
+                self.wrote(self.commands[-1][1])
             elif not self.integer_op(op):
                 raise LaunchUnsupported("command %s" % name)
 
@@ -448,6 +458,10 @@ class _Extractor:
         offsets = operands[start + 2 * n_res:start + 2 * n_res + n_off]
         lengths = operands[start + 2 * n_res + n_off:start + 2 * n_res + n_off + n_len]
         bindings = [[*self.at(r, self.int_of(o)), self.int_of(n)] for r, o, n in zip(resources, offsets, lengths)]
+        accesses = [_int_attr(a) for a in op.attributes["resource_accesses"]]
+        for (base, _, _), access in zip(bindings, accesses):
+            if access & 2:                          # stream's ResourceAccessBitfield: 1 read, 2 write
+                self.wrote(base)
         grid = self.grid(kernel, workload)
         if len(grid) != 3:
             raise LaunchUnsupported("kernel %s: grid of rank %d" % (kernel, len(grid)))
@@ -482,4 +496,4 @@ def extract_schedule(host_mlir: bytes | str) -> Schedule:
         extractor.collect_kernels(module)
         extractor.host_function(body, outputs)
     return Schedule(extractor.arguments, extractor.reads, extractor.shapes, extractor.program, extractor.widths,
-                    extractor.transients, extractor.commands)
+                    extractor.transients, extractor.commands, sorted(extractor.written))
