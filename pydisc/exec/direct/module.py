@@ -48,6 +48,8 @@ def compile_bundle(compile_str, text: str, input_type: str, flags: Sequence[str]
         schedule = parsed.to_json()
     except LaunchUnsupported as e:
         schedule = json.dumps({"unsupported": str(e)})
+    except Exception as e:  # noqa: BLE001 - host code of a shape the extractor did not expect: not launchable
+        schedule = json.dumps({"unsupported": "reading the host code failed (%s: %s)" % (type(e).__name__, e)})
     payload = schedule.encode()
     return _BUNDLE_MAGIC + struct.pack("<Q", len(vmfb)) + vmfb + payload
 

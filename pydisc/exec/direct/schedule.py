@@ -216,9 +216,9 @@ class _Extractor:
         self.ints: dict = {}        # mlir Value -> value id
         self.buffers: dict = {}     # mlir Value -> (["arg", k] | ["transient", j], byte offset id | None)
         self.views: dict = {}       # mlir Value (a !hal.buffer_view function argument) -> position
-        self.exports: dict = {}     # mlir Value (an exported result) -> buffer
+        self.exports: dict = {}     # mlir Value (an exported result) -> ((buffer, offset id), size id)
         self.constants: dict = {}   # (value, width) -> id, so repeated constants share an id
-        self.kernels: dict = {}     # kernel name -> (count region block, workgroup size)
+        self.kernels: dict = {}     # kernel name -> the block of its workgroup-count region
         self.shapes: list = [None] * arguments
         self.written: list = []
         self.element_types: dict = {}   # mlir Value of a hal.element_type -> element bytes
