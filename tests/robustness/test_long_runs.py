@@ -85,6 +85,9 @@ def _layers(x: torch.Tensor, w: torch.Tensor, ops: int) -> torch.Tensor:
 
 
 def _big_step(ops: int) -> float:
+    # dims that earlier tests' steps made dynamic (by step input position) would record this step as a
+    # dynamic-shape template, which runs eagerly: start from a clean policy
+    pstep.clear_plans()
     torch.manual_seed(0)
     w, x = torch.randn(8, 8) * 0.3, torch.randn(4, 8)
     want = _layers(x, w, ops)
