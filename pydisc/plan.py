@@ -351,9 +351,13 @@ def plan_graph(gm: torch.fx.GraphModule, device: torch.device, sources: list[str
             if isinstance(v, torch.Tensor):
                 plan.eager_dtypes.setdefault(op, set()).add(str(v.dtype).replace("torch.", ""))
 
-    for node in fused.graph.nodes:
-        if node.op == "call_function" and str(node.target) in part.eager_ops:
-            note_eager(node)
+    def note_eager_ops(partition) -> None:
+        """Count the nodes a partition left to eager execution."""
+        for node in partition.graph_module.graph.nodes:
+            if node.op == "call_function" and str(node.target) in partition.eager_ops:
+                note_eager(node)
+
+    note_eager_ops(part)
     if CONFIG.strict and plan.eager_ops:
         op = next(iter(plan.eager_ops))
         raise StrictModeError("pydisc strict mode: %s cannot be compiled (%s) and would run eagerly, at %s"
@@ -386,9 +390,7 @@ def plan_graph(gm: torch.fx.GraphModule, device: torch.device, sources: list[str
                 halves = partition_graph(sub, device, unsupported_reason, 1, max_ops=(len(ops) + 1) // 2)
                 for j, inner in enumerate(halves.clusters):
                     compile_into(halves.graph_module, inner, j, len(halves.clusters))
-                for node in halves.graph_module.graph.nodes:
-                    if node.op == "call_function" and str(node.target) in halves.eager_ops:
-                        note_eager(node)
+                note_eager_ops(halves)
                 setattr(parent, name, halves.graph_module)
                 summary.append("  %s: %d ops, split in %d after: %s" % (name, len(ops), len(halves.clusters),
                                                                       first_line))
@@ -438,9 +440,7 @@ def plan_graph(gm: torch.fx.GraphModule, device: torch.device, sources: list[str
             named = [n for n in ops if op_key(n.target) == rejected]
             if named and len(named) < len(ops):
                 inner = partition_regions(sub, device, torch_mlir_reason, CONFIG.min_cluster_ops)
-                for node in inner.graph_module.graph.nodes:
-                    if node.op == "call_function" and str(node.target) in inner.eager_ops:
-                        note_eager(node)
+                note_eager_ops(inner)
                 setattr(parent, name, inner.graph_module)
                 summary.append("  %s: %d ops, partitioned again without %s after: %s" % (
                     name, len(ops), rejected, first_line))
