@@ -220,7 +220,7 @@ def _layout(t: LazyTensor) -> tuple:
 # Schema facts per op, computed once.
 
 class OpInfo:
-    __slots__ = ("name", "returns", "written_args", "needs_eager", "is_view", "rewrite")
+    __slots__ = ("name", "returns", "written_args", "needs_eager", "is_view", "rewrite", "unruled")
 
     def __init__(self, func) -> None:
         # OpOverload hashes in Python: everything per op is looked up once by id() and kept here.
@@ -257,6 +257,10 @@ class OpInfo:
         self.is_view = any(r is not None and r[0] == "view" for r in returns)
         self.needs_eager = func in _EAGER_OPS or (not schema.returns and not written) \
             or any(str(r.type) not in _TENSOR_RETURN_TYPES for r in schema.returns)
+        # no StableHLO rule of its own: a likely fallback, whose source line the ledger wants even in
+        # steps recorded without source lines
+        from .lowering.registry import LOWERINGS
+        self.unruled = func not in LOWERINGS
 
 
 _TENSOR_RETURN_TYPES = {"Tensor", "List[Tensor]", "Tensor[]", "Optional[Tensor]", "Tensor?"}
@@ -298,7 +302,8 @@ class Recorder:
         self.rewrites: dict[Any, Callable] = {}
         self.foreach_rewrite: Callable | None = None
         self.namespace_rewrites: dict[str, Callable] = {}   # op namespace -> rewrite of all its ops
-        # Source lines cost ~1-2 µs per op: captured until a step reuses a plan, again after a new plan.
+        # Source lines cost 1-3 µs per op: captured for every op until a step reuses a plan, again
+        # after a new plan; always for ops with no StableHLO rule (OpInfo.unruled), the likely fallbacks.
         self.capture_sources = True
         self.gc_paused = False
         # Dynamic shapes: `dims_of(ordinal, real)` says which dims of the ordinal-th step input are
@@ -740,7 +745,7 @@ class Recorder:
             out_vids.append(vid)
         trace.entries.append(Entry(func, enc_args, enc_kwargs, tuple(out_vids), recipe.kind,
                                    tuple(reads), tuple(writes), tuple(sig),
-                                   user_source(3) if self.capture_sources else None))
+                                   user_source(3) if self.capture_sources or info.unruled else None))
         METRICS.recorded_ops += 1
         if len(trace.entries) >= self.prune_at and self.pruner is not None:
             self.pruner()
