@@ -1,0 +1,468 @@
+"""Training and inference workloads, eager PyTorch vs torch.compile vs pydisc, measured side by side.
+
+    python bench/workloads.py                       # every workload, on CUDA when there is a GPU
+    python bench/workloads.py --only mlp,cnn,chain  # a subset
+    python bench/workloads.py --tiny                # tiny sizes: checks the harness in a minute on a CPU
+
+Each workload runs in its own process (`--one NAME`, killed after `--timeout` seconds; its row then
+says so). In that process the three modes are built from one seeded model and run the same batches:
+
+- eager: the model as is;
+- torch.compile: `torch.compile(model)` with default options (the optimizer step stays eager);
+- pydisc: `pydisc.lazy(model)`, `pydisc.mark_step()` after each step.
+
+Warm-up steps first (they compile, and their wall time is reported as `first steps`), then `--blocks`
+blocks of `--block` steps per mode, the modes taking turns block by block so that they see the same
+machine load. A block is timed from one CUDA synchronisation to the next, with no value read in
+between (a training loop that logs the loss every step would add a sync per step to all three), and
+the row reports the median over blocks of the time per step. pydisc's counters are per measured step:
+`clusters` (compiled clusters run), `eager` (ATen ops run by torch: matmuls and convolutions left to
+cuBLAS/cuDNN by design, plus fallbacks), `record us/op` (host time from the start of a step to its
+`mark_step()`, over the ops it recorded). The memory-bound chain also reports the bandwidth it
+achieves counting one read of its input and one write of its output, against the device's copy
+bandwidth (`x.copy_()`, measured in the same process).
+
+The variable-length workload reports the total time of `--varlen-steps` steps including every compile,
+against torch.compile with `dynamic=False` (one compile per length, up to its recompile limit).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout without installing
+import pydisc  # noqa: E402
+
+
+# ---- models -----------------------------------------------------------------------------------------
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int = 128):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(784, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class SmallCNN(nn.Module):
+    def __init__(self, channels: int = 16):
+        super().__init__()
+        c = channels
+        self.features = nn.Sequential(nn.Conv2d(1, c, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                                      nn.Conv2d(c, 2 * c, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+        self.head = nn.Linear(2 * c * 7 * 7, 10)
+
+    def forward(self, x):
+        return self.head(self.features(x).flatten(1))
+
+
+class Block(nn.Module):
+    """A post-norm (BERT) or pre-norm causal (GPT-2) transformer layer, attention written out."""
+
+    def __init__(self, dim: int, heads: int, causal: bool):
+        super().__init__()
+        self.heads, self.causal = heads, causal
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.ffn = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def attention(self, x):
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in self.qkv(x).split(c, dim=2))
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(c // self.heads))
+        if self.causal:
+            mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+            scores = scores.masked_fill(mask, float("-inf"))
+        return self.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, c))
+
+    def forward(self, x):
+        if self.causal:
+            x = x + self.attention(self.ln1(x))
+            return x + self.ffn(self.ln2(x))
+        x = self.ln1(x + self.attention(x))
+        return self.ln2(x + self.ffn(x))
+
+
+class Transformer(nn.Module):
+    """BERT-base (causal=False) or GPT-2-small (causal=True) sized: embeddings, layers, tied head."""
+
+    def __init__(self, vocab: int, max_len: int, dim: int, heads: int, layers: int, causal: bool):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(max_len, dim)
+        self.layers = nn.ModuleList(Block(dim, heads, causal) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.down = None if stride == 1 and cin == cout else nn.Sequential(
+            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        y = F.relu(self.bn1(self.conv1(x)))
+        y = self.bn2(self.conv2(y))
+        return F.relu(y + (x if self.down is None else self.down(x)))
+
+
+class ResNet18(nn.Module):
+    def __init__(self, width: int = 64, classes: int = 1000):
+        super().__init__()
+        w = width
+        self.stem = nn.Sequential(nn.Conv2d(3, w, 7, 2, 3, bias=False), nn.BatchNorm2d(w), nn.ReLU(),
+                                  nn.MaxPool2d(3, 2, 1))
+        blocks, cin = [], w
+        for i, cout in enumerate((w, 2 * w, 4 * w, 8 * w)):
+            blocks += [BasicBlock(cin, cout, 1 if i == 0 else 2), BasicBlock(cout, cout, 1)]
+            cin = cout
+        self.blocks = nn.Sequential(*blocks)
+        self.fc = nn.Linear(cin, classes)
+
+    def forward(self, x):
+        return self.fc(self.blocks(self.stem(x)).mean((2, 3)))
+
+
+class Chain(nn.Module):
+    """x <- x + gelu(layer_norm(x)), `links` times: memory-bound, fusable into one pass."""
+
+    def __init__(self, dim: int, links: int):
+        super().__init__()
+        self.norms = nn.ModuleList(nn.LayerNorm(dim) for _ in range(links))
+
+    def forward(self, x):
+        for norm in self.norms:
+            x = x + F.gelu(norm(x))
+        return x
+
+
+# ---- workloads --------------------------------------------------------------------------------------
+
+@dataclass
+class Workload:
+    name: str
+    title: str
+    make_model: Callable[[], nn.Module]
+    batches: Callable[[torch.device, int], list]     # (device, seed) -> [batch, ...]
+    loss: Callable[[nn.Module, tuple], torch.Tensor] | None = None   # training; None: inference
+    forward: Callable[[nn.Module, tuple], torch.Tensor] | None = None
+    optimizer: Callable = lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9)
+    autocast: torch.dtype | None = None
+    model_dtype: torch.dtype | None = None
+    bytes_moved: Callable[[tuple], int] | None = None   # memory-bound workloads: minimal traffic per step
+    varlen: bool = False
+    notes: list = field(default_factory=list)
+
+
+def _images(shape, classes):
+    def make(device, seed):
+        g = torch.Generator().manual_seed(seed)
+        return [(torch.randn(shape, generator=g).to(device), torch.randint(0, classes, (shape[0],), generator=g).to(device))
+                for _ in range(4)]
+    return make
+
+
+def _tokens(batch, lengths, vocab):
+    def make(device, seed):
+        g = torch.Generator().manual_seed(seed)
+        out = []
+        for t in lengths:
+            idx = torch.randint(0, vocab, (batch, t + 1), generator=g)
+            out.append((idx[:, :-1].contiguous().to(device), idx[:, 1:].contiguous().to(device)))
+        return out
+    return make
+
+
+def _classify(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+def _lm(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+
+
+def workloads(tiny: bool, varlen_lengths: int) -> dict[str, Workload]:
+    s = (lambda big, small: small if tiny else big)
+    bert = dict(vocab=s(30522, 512), dim=s(768, 64), heads=s(12, 4), layers=s(12, 2))
+    gpt = dict(vocab=s(50257, 512), dim=s(768, 64), heads=s(12, 4), layers=s(12, 2))
+    adamw = lambda params: torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01)  # noqa: E731
+    lengths = [s(128, 32) - 8 * k for k in range(varlen_lengths)]
+    chain_rows, chain_dim = s(16384, 512), s(4096, 256)
+    items = [
+        Workload("mlp", "MNIST MLP 784-128-10, batch 64, SGD", MLP, _images((64, 1, 28, 28), 10), _classify),
+        Workload("cnn", "small CNN (2 conv), batch 64, SGD", SmallCNN, _images((64, 1, 28, 28), 10), _classify),
+        Workload("bert", "BERT-base encoder, bf16 autocast, batch %d seq %d, AdamW" % (s(32, 4), s(128, 32)),
+                 lambda: Transformer(bert["vocab"], 512, bert["dim"], bert["heads"], bert["layers"], False),
+                 _tokens(s(32, 4), [s(128, 32)] * 2, bert["vocab"]), _lm, optimizer=adamw,
+                 autocast=torch.bfloat16),
+        Workload("bert_large_batch", "BERT-base encoder, bf16 autocast, batch %d seq %d, AdamW" % (s(64, 4), s(512, 64)),
+                 lambda: Transformer(bert["vocab"], 512, bert["dim"], bert["heads"], bert["layers"], False),
+                 _tokens(s(64, 4), [s(512, 64)] * 2, bert["vocab"]), _lm, optimizer=adamw,
+                 autocast=torch.bfloat16),
+        Workload("bert_varlen", "BERT-base encoder as above, seq %s varying per step" % "/".join(map(str, lengths)),
+                 lambda: Transformer(bert["vocab"], 512, bert["dim"], bert["heads"], bert["layers"], False),
+                 _tokens(s(32, 4), lengths, bert["vocab"]), _lm, optimizer=adamw, autocast=torch.bfloat16,
+                 varlen=True),
+        Workload("resnet18", "ResNet-18, bf16 autocast, batch %d 3x%d^2, SGD" % (s(32, 4), s(224, 32)),
+                 lambda: ResNet18(s(64, 8), s(1000, 10)), _images((s(32, 4), 3, s(224, 32), s(224, 32)), s(1000, 10)),
+                 _classify, autocast=torch.bfloat16),
+        Workload("gpt2_infer", "GPT-2-small decoder inference, bf16, batch %d seq %d" % (s(8, 2), s(1024, 64)),
+                 lambda: Transformer(gpt["vocab"], 1024, gpt["dim"], gpt["heads"], gpt["layers"], True),
+                 _tokens(s(8, 2), [s(1024, 64)] * 2, gpt["vocab"]), forward=lambda m, b: m(b[0]),
+                 model_dtype=torch.bfloat16),
+        Workload("gpt2_train", "GPT-2-small decoder training, bf16 autocast, batch %d seq %d, AdamW" % (s(16, 2), s(1024, 64)),
+                 lambda: Transformer(gpt["vocab"], 1024, gpt["dim"], gpt["heads"], gpt["layers"], True),
+                 _tokens(s(16, 2), [s(1024, 64)] * 2, gpt["vocab"]), _lm, optimizer=adamw, autocast=torch.bfloat16),
+        Workload("chain", "LayerNorm+GELU+residual x4, %dx%d f32, inference" % (chain_rows, chain_dim),
+                 lambda: Chain(chain_dim, 4), lambda device, seed: [(torch.randn(chain_rows, chain_dim, device=device),)] * 2,
+                 forward=lambda m, b: m(b[0]), bytes_moved=lambda b: 2 * b[0].numel() * b[0].element_size()),
+    ]
+    return {w.name: w for w in items}
+
+
+# ---- one workload, in its own process ---------------------------------------------------------------
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Mode:
+    """One way of running a workload: its model, optimizer and step function."""
+
+    def __init__(self, name: str, w: Workload, base: nn.Module, device: torch.device):
+        self.name, self.w, self.device = name, w, device
+        model = copy.deepcopy(base)
+        if name == "pydisc":
+            model = pydisc.lazy(model, device=device)
+        self.model = model
+        self.run_model = torch.compile(model, dynamic=False if w.varlen else None) if name == "torch.compile" else model
+        self.opt = w.optimizer(model.parameters()) if w.loss is not None else None
+        self.last = None
+        self.record_seconds = 0.0
+
+    def step(self, batch) -> None:
+        w = self.w
+        started = time.perf_counter()
+        if self.name == "pydisc" and w.varlen:
+            batch = tuple(pydisc.to_lazy(t) for t in batch)   # sizes that vary: through to_lazy
+        if w.loss is None:
+            with torch.no_grad():
+                self.last = w.forward(self.run_model, batch)
+        else:
+            with torch.autocast(self.device.type, dtype=w.autocast, enabled=w.autocast is not None):
+                loss = w.loss(self.run_model, batch)
+            loss.backward()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            self.last = loss.detach()
+        if self.name == "pydisc":
+            self.record_seconds += time.perf_counter() - started
+            pydisc.mark_step()
+
+    def value(self) -> float:
+        v = self.last
+        return float(v.float().mean().item() if v.dim() else v.item())
+
+
+def _copy_bandwidth(device) -> float:
+    x = torch.empty(256 * 2 ** 20 // 4, device=device)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    _sync(device)
+    t = time.perf_counter()
+    for _ in range(20):
+        y.copy_(x)
+    _sync(device)
+    return 20 * 2 * x.numel() * 4 / (time.perf_counter() - t)
+
+
+def run_one(name: str, args) -> dict:
+    device = torch.device(args.device)
+    w = workloads(args.tiny, args.varlen_lengths)[name]
+    torch.manual_seed(0)
+    base = w.make_model()
+    if w.model_dtype is not None:
+        base = base.to(w.model_dtype)
+    base = base.to(device)
+    batches = w.batches(device, 0)
+    modes = [Mode(m, w, base, device) for m in ("eager", "torch.compile", "pydisc")]
+    row = {"name": name, "title": w.title, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+           else "cpu", "torch": torch.__version__}
+    if w.varlen:
+        order = [batches[(k * 5 + k // 3) % len(batches)] for k in range(args.varlen_steps)]
+        for m in modes:
+            if m.name == "pydisc":
+                pydisc.reset_metrics()
+            _sync(device)
+            t = time.perf_counter()
+            for b in order:
+                m.step(b)
+            m.value()
+            _sync(device)
+            row[m.name] = (time.perf_counter() - t) / len(order)
+            row["loss " + m.name] = m.value()
+        row["steps"] = len(order)
+    else:
+        for m in modes:
+            t = time.perf_counter()
+            for k in range(args.warmup):
+                m.step(batches[k % len(batches)])
+            m.value()
+            _sync(device)
+            row["first steps " + m.name] = time.perf_counter() - t
+        warm = pydisc.metrics()
+        row["compiles"] = warm["compiles"]
+        row["disk cache hits"] = warm["disk_cache_hits"]
+        pydisc.reset_metrics()
+        for m in modes:
+            m.record_seconds = 0.0
+        times = {m.name: [] for m in modes}
+        for block in range(args.blocks):
+            for m in modes:
+                _sync(device)
+                t = time.perf_counter()
+                for k in range(args.block):
+                    m.step(batches[k % len(batches)])
+                _sync(device)
+                times[m.name].append((time.perf_counter() - t) / args.block)
+        for m in modes:
+            row[m.name] = statistics.median(times[m.name])
+            row["loss " + m.name] = m.value()
+        row["steps"] = args.blocks * args.block
+    met = pydisc.metrics()
+    steps = max(1, met["steps"])
+    row["clusters/step"] = met["executions"] / steps
+    row["eager/step"] = (sum(met["fallback_ops"].values()) + sum(met["library_ops"].values())) / steps
+    row["fallbacks/step"] = sum(met["fallback_ops"].values()) / steps
+    row["record us/op"] = 1e6 * next(m for m in modes if m.name == "pydisc").record_seconds / max(1, met["recorded_ops"])
+    row.setdefault("compiles", met["compiles"])
+    row.setdefault("disk cache hits", met["disk_cache_hits"])
+    row["plans"] = met["plans_compiled"]
+    row["direct_launch_fallbacks"] = sum(met["direct_launch_fallbacks"].values())
+    row["fallback ops"] = dict(sorted(met["fallback_ops"].items(), key=lambda kv: -kv[1])[:5])
+    if w.bytes_moved is not None:
+        moved = w.bytes_moved(batches[0])
+        row["GB/s"] = {m.name: moved / row[m.name] / 1e9 for m in modes}
+        row["copy GB/s"] = _copy_bandwidth(device) / 1e9
+    return row
+
+
+# ---- the table ----------------------------------------------------------------------------------------
+
+def _ms(v):
+    return "%.2f" % (1e3 * v) if isinstance(v, float) else "-"
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| workload | eager ms | torch.compile ms | pydisc ms | pydisc/eager | pydisc/compile | first steps s "
+           "(eager / compile / pydisc) | clusters/step | eager ops/step (fallbacks) | record us/op | compiles (disk cache) |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    notes = []
+    for r in rows:
+        if "error" in r:
+            out.append("| %s | %s |  |  |  |  |  |  |  |  |  |" % (r["title"], r["error"]))
+            continue
+        e, c, p = r["eager"], r["torch.compile"], r["pydisc"]
+        first = " / ".join("%.1f" % r.get("first steps " + m, float("nan")) for m in ("eager", "torch.compile", "pydisc"))
+        if r["name"] == "bert_varlen":
+            first = "(included: %d steps)" % r["steps"]
+        out.append("| %s | %s | %s | %s | %.2f | %.2f | %s | %.1f | %.1f (%.1f) | %.1f | %d (%d) |" % (
+            r["title"], _ms(e), _ms(c), _ms(p), p / e, p / c, first, r["clusters/step"], r["eager/step"],
+            r["fallbacks/step"], r["record us/op"], r["compiles"], r["disk cache hits"]))
+        if "GB/s" in r:
+            g = r["GB/s"]
+            notes.append("- %s: %.0f / %.0f / %.0f GB/s (eager / torch.compile / pydisc) counting one read and one "
+                         "write; copy bandwidth %.0f GB/s, pydisc at %.0f%% of it" % (
+                             r["name"], g["eager"], g["torch.compile"], g["pydisc"], r["copy GB/s"],
+                             100 * g["pydisc"] / r["copy GB/s"]))
+        if r["fallback ops"]:
+            notes.append("- %s: fallbacks %s" % (r["name"], r["fallback ops"]))
+        if r.get("direct_launch_fallbacks"):
+            notes.append("- %s: %d modules ran through IREE's runtime" % (r["name"], r["direct_launch_fallbacks"]))
+        losses = ", ".join("%s %.4g" % (m, r["loss " + m]) for m in ("eager", "torch.compile", "pydisc"))
+        notes.append("- %s: last value %s" % (r["name"], losses))
+    return "\n".join(out + [""] + notes)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--only", default="", help="comma-separated workloads (default: all): " +
+                   ", ".join(workloads(True, 1)))
+    p.add_argument("--tiny", action="store_true", help="tiny sizes, to check the harness")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--blocks", type=int, default=5)
+    p.add_argument("--block", type=int, default=4)
+    p.add_argument("--varlen-steps", type=int, default=200)
+    p.add_argument("--varlen-lengths", type=int, default=4, help="distinct sequence lengths (128, 120, ...)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per workload")
+    p.add_argument("--json", default="", help="append each row as a JSON line to this file")
+    p.add_argument("--render", default="", help="print the table of the JSON lines in this file, run nothing")
+    p.add_argument("--one", default="", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.render:
+        rows = [json.loads(line) for line in open(args.render) if line.strip()]
+        print(table(rows))
+        return 0
+    if args.one:
+        print("ROW " + json.dumps(run_one(args.one, args)), flush=True)
+        return 0
+    names = [n for n in args.only.split(",") if n] or list(workloads(True, 1))
+    forwarded = [a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--only")]
+    rows = []
+    for name in names:
+        started = time.perf_counter()
+        cmd = [sys.executable, os.path.abspath(__file__), "--one", name] + [a for a in forwarded if a != args.only]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+            if args.json:
+                Path(args.json + "." + name + ".log").write_text(done.stdout + done.stderr)
+            line = next((l for l in done.stdout.splitlines() if l.startswith("ROW ")), None)
+            row = json.loads(line[4:]) if line else {
+                "name": name, "title": name, "error": "failed: " + (done.stderr.strip().splitlines() or ["?"])[-1][:200]}
+        except subprocess.TimeoutExpired:
+            row = {"name": name, "title": name, "error": "not finished in %.0f s" % args.timeout}
+        row["wall s"] = time.perf_counter() - started
+        rows.append(row)
+        print("%s: %.0f s" % (name, row["wall s"]), file=sys.stderr, flush=True)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(row) + "\n")
+    print("%s, torch %s, %s" % (rows[0].get("device", args.device) if rows else args.device, torch.__version__,
+                                time.strftime("%Y-%m-%d")))
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
