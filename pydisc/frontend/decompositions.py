@@ -201,6 +201,21 @@ def _diagonal_scatter(x: torch.Tensor, src: torch.Tensor, offset: int = 0, dim1:
     return torch.where(on, values, moved).movedim((-2, -1), (dim1, dim2))
 
 
+def _batch_norm_backward(torch_decomposition: Callable) -> Callable:
+    """torch's decomposition of native_batch_norm_backward, with the batch mean of a training step in
+    half precision taken again from the input in float32: on the CPU the saved mean is rounded to the
+    input's dtype, and x - mean then carries that rounding into every gradient (sum(x - mean) is no
+    longer 0), where eager's kernel, and CUDA's float32 saved statistics, do not."""
+    def backward(grad_out, x, weight, running_mean, running_var, save_mean, save_invstd, train, eps,
+                 output_mask):
+        if train and save_mean is not None and save_mean.dtype in (torch.float16, torch.bfloat16):
+            dims = [d for d in range(x.dim()) if d != 1]
+            save_mean = x.to(torch.float32).mean(dims)
+        return torch_decomposition(grad_out, x, weight, running_mean, running_var, save_mean, save_invstd,
+                                   train, eps, output_mask)
+    return backward
+
+
 def _gather_backwards() -> dict[OpOverload, Callable]:
     table: dict[OpOverload, Callable] = {}
     for name in ("upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
@@ -274,6 +289,8 @@ def _build() -> dict[OpOverload, Callable]:
     table.update(get_decompositions(_EXTRA))
     table.update(_foreach_decompositions())
     table.update(_gather_backwards())
+    bn_backward = aten.native_batch_norm_backward.default
+    table[bn_backward] = _batch_norm_backward(table[bn_backward])
     return table
 
 
