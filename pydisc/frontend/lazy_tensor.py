@@ -257,10 +257,15 @@ class OpInfo:
         self.is_view = any(r is not None and r[0] == "view" for r in returns)
         self.needs_eager = func in _EAGER_OPS or (not schema.returns and not written) \
             or any(str(r.type) not in _TENSOR_RETURN_TYPES for r in schema.returns)
-        # no StableHLO rule of its own: a likely fallback, whose source line the ledger wants even in
-        # steps recorded without source lines
+        # neither a StableHLO rule nor a decomposition: a likely fallback, whose source line the ledger
+        # wants even in steps recorded without source lines
+        from .decompositions import DECOMPOSITIONS
         from .lowering.registry import LOWERINGS
-        self.unruled = func not in LOWERINGS
+        functional = func
+        if schema.is_mutable and func._opname.endswith("_"):   # add_ is recorded, add is lowered
+            packet = getattr(torch.ops.aten, func._opname[:-1], None)
+            functional = getattr(packet, func._overloadname, func) if packet is not None else func
+        self.unruled = functional not in LOWERINGS and functional not in DECOMPOSITIONS
 
 
 _TENSOR_RETURN_TYPES = {"Tensor", "List[Tensor]", "Tensor[]", "Optional[Tensor]", "Tensor?"}
