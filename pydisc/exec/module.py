@@ -30,7 +30,7 @@ class CompiledModule:
     """A `.vmfb` loaded for one device. `run(inputs, outputs)` calls its `main` function."""
 
     __slots__ = (
-        "name", "device", "vmfb", "staged_outputs",
+        "name", "device", "vmfb", "staged",
         "_session", "_context", "_function", "_import", "_cuda_index",
     )
 
@@ -52,12 +52,18 @@ class CompiledModule:
             self._context = ireert.VmContext(instance, modules=[session.hal_module, vm_module])
         self._function = function
         self._import = session.hal_device.from_dlpack_capsule
-        # Set on the first call that finds IREE cannot write an imported output in place (a result that
-        # is an input or a constant); from then on outputs go through IREE-allocated buffers.
-        self.staged_outputs = False
+        # The outputs IREE cannot write in place when imported (a result that is an input, a constant,
+        # or a copy IREE makes rather than a dispatch): they go through IREE-allocated buffers and are
+        # copied back. Found on the first call that fails for that reason (`_find_staged`).
+        self.staged: frozenset = frozenset()
 
     def __repr__(self) -> str:
-        return f"CompiledModule({self.name}, device={self.device}, staged_outputs={self.staged_outputs})"
+        return f"CompiledModule({self.name}, device={self.device}, staged={sorted(self.staged)})"
+
+    @property
+    def staged_outputs(self) -> bool:
+        """True when some outputs go through IREE-allocated buffers."""
+        return bool(self.staged)
 
     def run(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
         """Run `main(*inputs, *outputs)`; IREE writes result N into outputs[N]. Inputs are never written."""
@@ -74,12 +80,11 @@ class CompiledModule:
                 # (inputs) and reads (the memory handed out as outputs) first.
                 torch.cuda.current_stream(cuda_index).synchronize()
             try:
-                self._invoke(inputs, outputs)
+                self._invoke(inputs, outputs, self.staged)
             except Exception as e:
-                if self.staged_outputs or "DISCARD_WRITE" not in str(e):
+                if self.staged or not _needs_staging(e):
                     raise
-                self.staged_outputs = True
-                self._invoke(inputs, outputs)  # safe to repeat: inputs are read-only, outputs overwritten
+                self.staged = self._find_staged(inputs, outputs)
         except Exception as e:  # IREE raises RuntimeError or ValueError; torch may raise too
             raise self._execution_error(e, inputs, outputs) from e
         finally:
@@ -87,7 +92,34 @@ class CompiledModule:
                 _set_device(previous)
         METRICS.executions += 1
 
-    def _invoke(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+    def _find_staged(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> frozenset:
+        """The outputs that must be staged, by group testing: a call with a group of outputs imported
+        and all others staged tells whether the whole group can be written in place. A few calls on
+        first use (about staged x log2(outputs)); each is safe to repeat (inputs are read-only, outputs
+        are overwritten), and the last one, with the answer, leaves the right values in the outputs."""
+        every = frozenset(range(len(outputs)))
+        need: set = set()
+
+        def search(group: list) -> None:
+            try:
+                self._invoke(inputs, outputs, every - frozenset(group))
+                return
+            except Exception as e:
+                if not _needs_staging(e):
+                    raise
+            if len(group) == 1:
+                need.add(group[0])
+                return
+            half = len(group) // 2
+            search(group[:half])
+            search(group[half:])
+
+        search(sorted(every))
+        staged = frozenset(need)
+        self._invoke(inputs, outputs, staged)
+        return staged
+
+    def _invoke(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], staged: frozenset) -> None:
         imp = self._import
         args = ireert.VmVariantList(len(inputs) + len(outputs))
         out_ptrs = {o.untyped_storage().data_ptr() for o in outputs if o.numel()}
@@ -102,18 +134,17 @@ class CompiledModule:
                 t = dense_copy(t)  # IREE needs dense memory, and an input must not share an output's memory
             args.push_ref(imp(to_dlpack(t)))
         copy_back: list = []
-        if self.staged_outputs:
-            for o in outputs:
-                staged = StagedOutput(self._session, o)
-                args.push_ref(staged.view)
-                copy_back.append(staged)
-        else:
-            for o in outputs:
-                if not is_dense(o):
-                    dense = dense_copy(o)
-                    copy_back.append(_DenseOutput(o, dense))
-                    o = dense
-                args.push_ref(imp(to_dlpack(o)))
+        for i, o in enumerate(outputs):
+            if staged and i in staged:
+                view = StagedOutput(self._session, o)
+                args.push_ref(view.view)
+                copy_back.append(view)
+                continue
+            if not is_dense(o):
+                dense = dense_copy(o)
+                copy_back.append(_DenseOutput(o, dense))
+                o = dense
+            args.push_ref(imp(to_dlpack(o)))
         self._context.invoke(self._function, args, ireert.VmVariantList(len(outputs)))
         for c in copy_back:
             c.copy_back()
@@ -144,6 +175,11 @@ class CompiledModule:
             f"{len(outputs)} outputs: {hint}.\nIREE said: {detail_text}",
             function=f"{self.name}.{_ENTRY}",
         )
+
+
+def _needs_staging(error: Exception) -> bool:
+    """IREE refused an imported output: it writes that result by a fill or copy (DISCARD_WRITE)."""
+    return "DISCARD_WRITE" in str(error)
 
 
 class _DenseOutput:
