@@ -101,12 +101,22 @@ def _foreach(func, args, kwargs):
 
 
 def _batch_norm(func, args, kwargs):
+    """native_batch_norm as the `_native_batch_norm_legit*` op that torch's own decomposition picks:
+    the one whose schema declares the writes to the running statistics in training, and the same ops
+    in every mode, so that a step recorded with symbolic sizes (where torch's Python dispatcher
+    applies that decomposition itself) matches the steps recorded concretely."""
     names = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps")
-    values = dict(zip(names, args))
-    values.update(kwargs)
-    if not values["training"] or values["running_mean"] is None:
-        return NotImplemented
-    return aten._native_batch_norm_legit.default(*(values[n] for n in names))
+    v = dict(zip(names, args))
+    v.update(kwargs)
+    if v["running_mean"] is None or v["running_var"] is None:
+        if v["running_mean"] is not None or v["running_var"] is not None:
+            return NotImplemented           # eager raises: let it
+        return aten._native_batch_norm_legit.no_stats(v["input"], v["weight"], v["bias"], v["training"],
+                                                      v["momentum"], v["eps"])
+    if v["training"]:
+        return aten._native_batch_norm_legit.default(*(v[n] for n in names))
+    return aten._native_batch_norm_legit_no_training.default(
+        v["input"], v["weight"], v["bias"], v["running_mean"], v["running_var"], v["momentum"], v["eps"])
 
 
 def _batch_norm_eval_cpu(func, args, kwargs):

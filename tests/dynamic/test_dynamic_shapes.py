@@ -172,6 +172,29 @@ def test_inference_with_varying_batch_matches_eager():
     assert m["dynamic_templates"] == 1 and m["dynamic_matches"] == 3, m
 
 
+def test_batch_norm_in_eval_mode_shares_one_template():
+    """native_batch_norm is recorded as the op torch's decomposition picks in every mode, so the
+    template recorded with a symbolic batch (where the decomposition applies) matches later steps."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                              torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 2))
+    with torch.no_grad():   # running statistics that are not the defaults
+        net[1].running_mean.uniform_(-1, 1)
+        net[1].running_var.uniform_(0.5, 2)
+    net.eval()
+    ref = copy.deepcopy(net)
+    pydisc.lazy(net)
+    with torch.no_grad():
+        for n in (2, 3, 5, 7, 9, 11):
+            x = torch.randn(n, 3, 6, 6)
+            out = net(x)
+            pydisc.mark_step()
+            torch.testing.assert_close(out.cpu(), ref(x), rtol=1e-5, atol=1e-5)
+    m = pydisc.metrics()
+    # 2: planned for its shape; 3: eager (batch is dynamic from now on); 5: template; 7, 9, 11: matched
+    assert m["dynamic_templates"] == 1 and m["dynamic_matches"] == 3, m
+
+
 def test_mark_dynamic_rejects_bad_input():
     with pytest.raises(TypeError, match="before it is passed"):
         pydisc.mark_dynamic(pydisc.to_lazy(torch.ones(3)), 0)
