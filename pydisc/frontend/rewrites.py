@@ -137,22 +137,25 @@ def _batch_norm_eval_cpu(func, args, kwargs):
 
 def _cudnn_batch_norm(func, args, kwargs):
     """On CUDA, F.batch_norm picks cudnn_batch_norm, whose schema hides its writes to the running
-    statistics too: record it as the op whose schema declares them. Its 4th output (cuDNN's reserve
-    space) is only passed back to the backward, which is rewritten below."""
+    statistics too. Recorded as torch's own decomposition of it: native_batch_norm (rewritten above into
+    the op whose schema declares the writes) and the empty tensors cuDNN returns, exactly the ops a step
+    recorded with symbolic sizes sees (torch's Python dispatcher decomposes cudnn_batch_norm there), so
+    that both kinds of step match. Its 4th output (cuDNN's reserve space) is only passed back to the
+    backward, which is rewritten below."""
     names = ("input", "weight", "bias", "running_mean", "running_var", "training",
              "exponential_average_factor", "epsilon")
     v = dict(zip(names, args))
     v.update(kwargs)
-    x, w, b, rm, rv = v["input"], v["weight"], v["bias"], v["running_mean"], v["running_var"]
-    momentum, eps = v["exponential_average_factor"], v["epsilon"]
-    if v["training"] and rm is not None:
-        out, mean, invstd = aten._native_batch_norm_legit.default(x, w, b, rm, rv, True, momentum, eps)
-    elif rm is not None:
-        out, mean, invstd = aten._native_batch_norm_legit_no_training.default(x, w, b, rm, rv, momentum, eps)
-    else:
-        out, mean, invstd = aten._native_batch_norm_legit.no_stats(x, w, b, v["training"], momentum, eps)
-    reserve = aten.new_empty.default(x, [0], dtype=torch.uint8)
-    return out, mean, invstd, reserve
+    x, w = v["input"], v["weight"]
+    out, mean, invstd = aten.native_batch_norm.default(x, w, v["bias"], v["running_mean"], v["running_var"],
+                                                       v["training"], v["exponential_average_factor"],
+                                                       v["epsilon"])
+    # the arguments as torch's decomposition passes them (`t.new_zeros((0,))` adds pin_memory=False):
+    # other constants would be other entries
+    if v["training"]:
+        return out, mean, invstd, aten.new_zeros.default(x, (0,), dtype=torch.uint8, pin_memory=False)
+    return (out, aten.new_zeros.default(w, (0,), pin_memory=False), aten.new_zeros.default(w, (0,), pin_memory=False),
+            aten.new_zeros.default(x, (0,), dtype=torch.uint8, pin_memory=False))
 
 
 def _cudnn_batch_norm_backward(func, args, kwargs):

@@ -195,6 +195,39 @@ def test_batch_norm_in_eval_mode_shares_one_template():
     assert m["dynamic_templates"] == 1 and m["dynamic_matches"] == 3, m
 
 
+def test_cudnn_batch_norm_in_eval_mode_shares_one_template():
+    """What F.batch_norm calls on CUDA, called here on the CPU: pydisc records cudnn_batch_norm as
+    torch's decomposition of it, which is what a step with symbolic sizes records too."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = torch.nn.BatchNorm2d(4)
+
+        def forward(self, x):
+            b = self.bn
+            return torch.ops.aten.cudnn_batch_norm(x, b.weight, b.bias, b.running_mean, b.running_var,
+                                                   False, 0.1, 1e-5)[0].relu()
+
+    torch.manual_seed(0)
+    net = Net()
+    with torch.no_grad():
+        net.bn.running_mean.uniform_(-1, 1)
+        net.bn.running_var.uniform_(0.5, 2)
+    net.eval()
+    bn = copy.deepcopy(net.bn)
+    pydisc.lazy(net)
+    with torch.no_grad():
+        for n in (2, 3, 5, 7, 9):
+            x = torch.randn(n, 4, 3, 3)
+            out = net(x)
+            pydisc.mark_step()
+            expected = torch.nn.functional.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias,
+                                                      False).relu()
+            torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
+    m = pydisc.metrics()
+    assert m["dynamic_templates"] == 1 and m["dynamic_matches"] == 2, m
+
+
 def test_mark_dynamic_rejects_bad_input():
     with pytest.raises(TypeError, match="before it is passed"):
         pydisc.mark_dynamic(pydisc.to_lazy(torch.ones(3)), 0)
