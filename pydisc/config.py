@@ -33,6 +33,9 @@ class Config:
     # on CUDA, how compiled clusters run: "direct" launches IREE's kernels on torch's current stream
     # (pydisc/exec/direct), "iree" calls IREE's runtime (its own stream, a host sync per call)
     gpu_executor: str = _env("PYDISC_GPU_EXECUTOR", "direct")
+    # on its second call, time each compiled cluster against its ops run eagerly and keep eager where
+    # it is >10% faster (plan.CompiledCluster.measure): "cuda" (default), "cpu", "all" or "off"
+    measure: str = _env("PYDISC_MEASURE", "cuda")
     # the torch-mlir route: ops with no StableHLO rule are compiled through torch-mlir's FX importer
     # (frontend/torch_mlir.py) instead of running eagerly, where it can
     torch_mlir: bool = _env("PYDISC_TORCH_MLIR", "1") != "0"

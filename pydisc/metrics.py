@@ -49,6 +49,8 @@ class Metrics:
     dynamic_eager_steps: int = 0      # steps run eagerly because an input dim changed size
     numerics_checks: int = 0
     numerics_mismatches: list = field(default_factory=list)
+    clusters_eager_faster: int = 0    # compiled clusters that run eagerly because eager was measured faster
+    speed_choices: list = field(default_factory=list)           # per measured cluster: times and choice
     direct_launches: int = 0          # CUDA kernels, copies and fills pydisc queued on torch's stream itself
     direct_launch_fallbacks: Counter = field(default_factory=Counter)  # reason -> modules run by IREE's runtime
 

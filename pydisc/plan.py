@@ -61,8 +61,22 @@ class CompiledCluster(torch.nn.Module):
                            (out_node.args[0] if not self.single else [out_node.args[0]])]
         self.prepare = _size_function(emitted, device) if emitted.dynamic else None
         self.calls = 0
+        self.eager_faster = False     # measured on its second call (`measure`): eager ran it faster
 
     def forward(self, *inputs):
+        if self.eager_faster:
+            return self.fallback(*inputs)
+        results = self.run_compiled(inputs)
+        self.calls += 1
+        if self.calls == 2 and CONFIG.measure in ("all", self.device.type):
+            chosen = self.measure(inputs)
+            if chosen is not None:
+                return chosen
+        if CONFIG.check_every and self.calls % CONFIG.check_every == 0:
+            self.check(inputs, results)
+        return results[0] if self.single else tuple(results)
+
+    def run_compiled(self, inputs) -> list:
         try:
             if self.prepare is None:
                 device = self.device
@@ -76,10 +90,46 @@ class CompiledCluster(torch.nn.Module):
             if not is_out_of_memory(exc):
                 raise
             raise self.out_of_memory(exc) from exc
-        self.calls += 1
-        if CONFIG.check_every and self.calls % CONFIG.check_every == 0:
-            self.check(inputs, results)
-        return results[0] if self.single else tuple(results)
+        return results
+
+    def measure(self, inputs):
+        """Time this cluster compiled and its ops run eagerly, on the same inputs (twice each, taking
+        turns, the best of each; the first call, which loads the kernels, is not timed), and keep eager
+        from now on when it is faster by more than 10%: kernel quality and per-call costs vary, and a
+        region goes to IREE only where it pays. Returns eager's outputs when eager is kept, else None.
+        The decision is reported in `metrics()["speed_choices"]`."""
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda *a: None)
+
+        def timed(run):
+            sync(self.device)
+            started = time.perf_counter()
+            out = run()
+            sync(self.device)
+            return time.perf_counter() - started, out
+
+        ops = [n for n in self.fallback.graph.nodes if n.op == "call_function"]
+        names = sorted({str(n.target).replace("aten.", "").replace(".default", "") for n in ops})
+        what = "%s (%d ops: %s%s)" % (self.name, len(ops), ", ".join(names[:4]), ", ..." if len(names) > 4 else "")
+        compiled, eager = [], []
+        try:
+            for _ in range(2):
+                compiled.append(timed(lambda: self.run_compiled(inputs))[0])
+                seconds, expected = timed(lambda: self.fallback(*inputs))
+                eager.append(seconds)
+        except Exception as exc:   # eager needs more memory, say: keep the compiled cluster
+            METRICS.speed_choices.append("%s: not measured (%s)" % (what, type(exc).__name__))
+            return None
+        c, e = min(compiled), min(eager)
+        keep_eager = e < 0.9 * c
+        METRICS.speed_choices.append("%s: IREE %.0f us, eager %.0f us -> %s" % (
+            what, 1e6 * c, 1e6 * e, "eager" if keep_eager else "IREE"))
+        if not keep_eager:
+            return None
+        log("compiles", "cluster %s runs eagerly from now on: %.0f us eager, %.0f us compiled", self.name,
+            1e6 * e, 1e6 * c)
+        METRICS.clusters_eager_faster += 1
+        self.eager_faster = True
+        return expected
 
     def out_of_memory(self, exc: RuntimeError) -> RuntimeError:
         """`exc`, a failed allocation of this cluster's outputs or inside IREE, with the cluster named."""

@@ -43,6 +43,11 @@ def metrics_report(top: int = 10) -> str:
     if m.library_ops:
         lines.append("  in cuBLAS/cuDNN      %d (%s; PYDISC_GPU_MATMUL=iree compiles them too)" % (
             sum(m.library_ops.values()), ", ".join("%s x%d" % kv for kv in m.library_ops.most_common(4))))
+    if m.speed_choices:
+        lines.append("  measured clusters    %d, %d kept eager because eager was faster" % (
+            len(m.speed_choices), m.clusters_eager_faster))
+        for choice in m.speed_choices[:3]:
+            lines.append("    " + choice)
     if m.dynamic_templates or m.dynamic_eager_steps:
         lines.append("  dynamic shapes       %d templates, %d step structures matched to one, %d steps run "
                      "eagerly while switching" % (m.dynamic_templates, m.dynamic_matches, m.dynamic_eager_steps))

@@ -1,0 +1,94 @@
+"""Measured choice between a compiled cluster and its ops run eagerly (PYDISC_MEASURE)."""
+import time
+
+import pytest
+import torch
+
+import pydisc
+from pydisc.config import CONFIG
+from pydisc.plan import CompiledCluster
+from pydisc.step import clear_plans
+
+
+@pytest.fixture
+def measure_cpu(monkeypatch):
+    monkeypatch.setattr(CONFIG, "measure", "all")
+    monkeypatch.setattr(CONFIG, "dynamic", False)
+    clear_plans()
+    pydisc.reset_metrics()
+    yield
+    clear_plans()
+
+
+def _steps(x, n):
+    outs = []
+    for _ in range(n):
+        y = (x * 3.0 + 1.0).sin() * x
+        pydisc.mark_step()
+        outs.append(y.cpu())
+    return outs
+
+
+def _slowed(fn, seconds):
+    def slow(*args):
+        time.sleep(seconds)
+        return fn(*args)
+    return slow
+
+
+def test_a_cluster_runs_eagerly_once_eager_is_measured_faster(measure_cpu, monkeypatch):
+    # the compiled calls are made slower than the eager ops, deterministically
+    monkeypatch.setattr(CompiledCluster, "run_compiled", _slowed(CompiledCluster.run_compiled, 0.02))
+    x = pydisc.to_lazy(torch.randn(4))
+    pydisc.mark_step()
+    executions = pydisc.metrics()["executions"]
+    outs = _steps(x, 4)
+    expected = (x.cpu() * 3.0 + 1.0).sin() * x.cpu()
+    for out in outs:
+        torch.testing.assert_close(out, expected)
+    m = pydisc.metrics()
+    assert m["clusters_eager_faster"] == 1, m["speed_choices"]
+    assert len(m["speed_choices"]) == 1 and m["speed_choices"][0].endswith("-> eager")
+    # steps 1 and 2 compiled, two timed compiled calls in the measurement, then eager only
+    assert m["executions"] - executions == 4
+    assert not m["fallback_ops"]            # a choice, not a fallback
+    assert "kept eager because eager was faster" in pydisc.metrics_report()
+
+
+def test_the_compiled_cluster_is_kept_when_eager_is_slower(measure_cpu, monkeypatch):
+    original = CompiledCluster.measure
+
+    class Slowed(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+            self.graph = inner.graph
+
+        def forward(self, *args):
+            time.sleep(0.02)
+            return self.inner(*args)
+
+    def slow_eager(self, inputs):
+        fallback = self.fallback
+        self.fallback = Slowed(fallback)
+        try:
+            return original(self, inputs)
+        finally:
+            self.fallback = fallback
+
+    monkeypatch.setattr(CompiledCluster, "measure", slow_eager)
+    x = pydisc.to_lazy(torch.randn(4))
+    pydisc.mark_step()
+    executions = pydisc.metrics()["executions"]
+    outs = _steps(x, 4)
+    expected = (x.cpu() * 3.0 + 1.0).sin() * x.cpu()
+    for out in outs:
+        torch.testing.assert_close(out, expected)
+    m = pydisc.metrics()
+    assert m["clusters_eager_faster"] == 0 and m["speed_choices"][0].endswith("-> IREE"), m["speed_choices"]
+    # 4 steps, plus the two timed compiled calls of the measurement
+    assert m["executions"] - executions == 6
+
+
+def test_not_measured_by_default_on_the_cpu():
+    assert CONFIG.measure == "cuda"
