@@ -318,6 +318,7 @@ def run_one(name: str, args) -> dict:
     modes = [Mode(m, w, base, device) for m in ("eager", "torch.compile", "pydisc")]
     row = {"name": name, "title": w.title, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
            else "cpu", "torch": torch.__version__}
+    warm_choices = []    # clusters measured during the warm-up (metrics are reset after it)
     if w.varlen:
         order = [batches[(k * 5 + k // 3) % len(batches)] for k in range(args.varlen_steps)]
         for m in modes:
@@ -341,6 +342,7 @@ def run_one(name: str, args) -> dict:
             _sync(device)
             row["first steps " + m.name] = time.perf_counter() - t
         warm = pydisc.metrics()
+        warm_choices = list(warm["speed_choices"])
         row["compiles"] = warm["compiles"]
         row["disk cache hits"] = warm["disk_cache_hits"]
         pydisc.reset_metrics()
@@ -369,6 +371,7 @@ def run_one(name: str, args) -> dict:
     row.setdefault("disk cache hits", met["disk_cache_hits"])
     row["plans"] = met["plans_compiled"]
     row["direct_launch_fallbacks"] = sum(met["direct_launch_fallbacks"].values())
+    row["speed_choices"] = warm_choices + met["speed_choices"]
     row["fallback ops"] = dict(sorted(met["fallback_ops"].items(), key=lambda kv: -kv[1])[:5])
     if w.bytes_moved is not None:
         moved = w.bytes_moved(batches[0])
@@ -407,6 +410,10 @@ def table(rows: list[dict]) -> str:
                              100 * g["pydisc"] / r["copy GB/s"]))
         if r["fallback ops"]:
             notes.append("- %s: fallbacks %s" % (r["name"], r["fallback ops"]))
+        kept_eager = [c for c in r.get("speed_choices", []) if c.endswith("-> eager")]
+        if kept_eager:
+            notes.append("- %s: %d of %d measured clusters kept eager (faster), e.g. %s" % (
+                r["name"], len(kept_eager), len(r["speed_choices"]), kept_eager[0]))
         if r.get("direct_launch_fallbacks"):
             notes.append("- %s: %d modules ran through IREE's runtime" % (r["name"], r["direct_launch_fallbacks"]))
         losses = ", ".join("%s %.4g" % (m, r["loss " + m]) for m in ("eager", "torch.compile", "pydisc"))
