@@ -3,7 +3,8 @@
 IREE imports a DLPack tensor as a dense, offset-0 buffer view, so anything else (non-contiguous, a view
 with a storage offset, a data pointer not 64-byte aligned) is copied first. Imported buffers allow
 READ|WRITE but not DISCARD_WRITE, which IREE needs when a result is an input or a constant (it fills or
-copies instead of dispatching); those outputs are staged through IREE-allocated buffers.
+copies instead of dispatching); a module that needs it gets its outputs imported as host allocations
+on the CPU (module.py) and staged through IREE-allocated buffers (`StagedOutput`) elsewhere.
 """
 from __future__ import annotations
 
