@@ -45,7 +45,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import pydisc  # noqa: E402
+from resnet import BasicBlock  # noqa: E402  (examples/resnet.py: the residual block of ResNet-18)
 
 
 # ---- models -----------------------------------------------------------------------------------------
@@ -114,22 +116,6 @@ class Transformer(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.head(self.norm(x))
-
-
-class BasicBlock(nn.Module):
-    def __init__(self, cin: int, cout: int, stride: int):
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.down = None if stride == 1 and cin == cout else nn.Sequential(
-            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-
-    def forward(self, x):
-        y = F.relu(self.bn1(self.conv1(x)))
-        y = self.bn2(self.conv2(y))
-        return F.relu(y + (x if self.down is None else self.down(x)))
 
 
 class ResNet18(nn.Module):

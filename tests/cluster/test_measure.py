@@ -20,13 +20,17 @@ def measure_cpu(monkeypatch):
     clear_plans()
 
 
-def _steps(x, n):
-    outs = []
-    for _ in range(n):
+def _four_steps() -> int:
+    """Four steps of one small cluster, each checked against eager; the compiled executions they ran."""
+    x = pydisc.to_lazy(torch.randn(4))
+    pydisc.mark_step()
+    executions = pydisc.metrics()["executions"]
+    expected = (x.cpu() * 3.0 + 1.0).sin() * x.cpu()
+    for _ in range(4):
         y = (x * 3.0 + 1.0).sin() * x
         pydisc.mark_step()
-        outs.append(y.cpu())
-    return outs
+        torch.testing.assert_close(y.cpu(), expected)
+    return pydisc.metrics()["executions"] - executions
 
 
 def _slowed(fn, seconds):
@@ -39,18 +43,12 @@ def _slowed(fn, seconds):
 def test_a_cluster_runs_eagerly_once_eager_is_measured_faster(measure_cpu, monkeypatch):
     # the compiled calls are made slower than the eager ops, deterministically
     monkeypatch.setattr(CompiledCluster, "run_compiled", _slowed(CompiledCluster.run_compiled, 0.02))
-    x = pydisc.to_lazy(torch.randn(4))
-    pydisc.mark_step()
-    executions = pydisc.metrics()["executions"]
-    outs = _steps(x, 4)
-    expected = (x.cpu() * 3.0 + 1.0).sin() * x.cpu()
-    for out in outs:
-        torch.testing.assert_close(out, expected)
+    executions = _four_steps()
     m = pydisc.metrics()
     assert m["clusters_eager_faster"] == 1, m["speed_choices"]
     assert len(m["speed_choices"]) == 1 and m["speed_choices"][0].endswith("-> eager")
     # steps 1 and 2 compiled, two timed compiled calls in the measurement, then eager only
-    assert m["executions"] - executions == 4
+    assert executions == 4
     assert not m["fallback_ops"]            # a choice, not a fallback
     assert "kept eager because eager was faster" in pydisc.metrics_report()
 
@@ -77,17 +75,11 @@ def test_the_compiled_cluster_is_kept_when_eager_is_slower(measure_cpu, monkeypa
             self.fallback = fallback
 
     monkeypatch.setattr(CompiledCluster, "measure", slow_eager)
-    x = pydisc.to_lazy(torch.randn(4))
-    pydisc.mark_step()
-    executions = pydisc.metrics()["executions"]
-    outs = _steps(x, 4)
-    expected = (x.cpu() * 3.0 + 1.0).sin() * x.cpu()
-    for out in outs:
-        torch.testing.assert_close(out, expected)
+    executions = _four_steps()
     m = pydisc.metrics()
     assert m["clusters_eager_faster"] == 0 and m["speed_choices"][0].endswith("-> IREE"), m["speed_choices"]
     # 4 steps, plus the two timed compiled calls of the measurement
-    assert m["executions"] - executions == 6
+    assert executions == 6
 
 
 def test_not_measured_by_default_on_the_cpu():
