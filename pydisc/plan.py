@@ -68,8 +68,9 @@ class CompiledCluster(torch.nn.Module):
             return self.fallback(*inputs)
         results = self.run_compiled(inputs)
         self.calls += 1
-        if self.calls == 2 and CONFIG.measure in ("all", self.device.type):
-            chosen = self.measure(inputs)
+        if self.calls == 2 and CONFIG.measure in ("all", self.device.type) and not (
+                self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            chosen = self.measure(inputs)    # (not while a CUDA graph is captured: it synchronises)
             if chosen is not None:
                 return chosen
         if CONFIG.check_every and self.calls % CONFIG.check_every == 0:

@@ -14,6 +14,19 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU; skipped when none is available")
     config.addinivalue_line("markers", "long: a long run (minutes), opt-in with --long or PYDISC_LONG=1")
     _use_session_compile_cache()
+    _no_measured_choice()
+
+
+def _no_measured_choice() -> None:
+    """Tests compare compiled clusters with eager and count executions; a cluster that the measured
+    choice (PYDISC_MEASURE, on CUDA by default) sends to eager would make them compare eager with
+    eager. tests/cluster/test_measure.py turns it on where it is the subject."""
+    if "PYDISC_MEASURE" in os.environ:
+        return
+    os.environ["PYDISC_MEASURE"] = "off"
+    from pydisc.config import CONFIG
+
+    CONFIG.measure = "off"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:

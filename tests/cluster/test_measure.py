@@ -82,5 +82,32 @@ def test_the_compiled_cluster_is_kept_when_eager_is_slower(measure_cpu, monkeypa
     assert executions == 6
 
 
-def test_not_measured_by_default_on_the_cpu():
-    assert CONFIG.measure == "cuda"
+def test_the_default_measures_on_cuda_only(monkeypatch):
+    monkeypatch.setattr(CONFIG, "measure", "cuda")
+    monkeypatch.setattr(CONFIG, "dynamic", False)
+    monkeypatch.setattr(CompiledCluster, "run_compiled", _slowed(CompiledCluster.run_compiled, 0.02))
+    clear_plans()
+    pydisc.reset_metrics()
+    assert _four_steps() == 4              # every step compiled, no extra timed calls
+    assert pydisc.metrics()["speed_choices"] == []
+    clear_plans()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_measured_choice_on_cuda(monkeypatch):
+    monkeypatch.setattr(CONFIG, "measure", "cuda")
+    monkeypatch.setattr(CONFIG, "dynamic", False)
+    monkeypatch.setattr(CompiledCluster, "run_compiled", _slowed(CompiledCluster.run_compiled, 0.02))
+    clear_plans()
+    pydisc.reset_metrics()
+    x = pydisc.to_lazy(torch.randn(64, 64, device="cuda"))
+    pydisc.mark_step()
+    expected = (x.cpu() * 3.0 + 1.0).sin() * x.cpu()
+    for _ in range(4):
+        y = (x * 3.0 + 1.0).sin() * x
+        pydisc.mark_step()
+        torch.testing.assert_close(y.cpu(), expected)
+    m = pydisc.metrics()
+    assert m["clusters_eager_faster"] == 1 and m["speed_choices"][0].endswith("-> eager"), m["speed_choices"]
+    clear_plans()
