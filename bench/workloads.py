@@ -305,45 +305,61 @@ def run_one(name: str, args) -> dict:
     row = {"name": name, "title": w.title, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
            else "cpu", "torch": torch.__version__}
     warm_choices = []    # clusters measured during the warm-up (metrics are reset after it)
+    live = []            # the modes that ran; one that raises is reported and left out of the timing
+
+    def failed(m: Mode, exc: BaseException) -> None:
+        row["failed " + m.name] = "%s: %s" % (type(exc).__name__, str(exc).strip().splitlines()[0][:200]
+                                              if str(exc).strip() else "")
+
     if w.varlen:
         order = [batches[(k * 5 + k // 3) % len(batches)] for k in range(args.varlen_steps)]
         for m in modes:
             if m.name == "pydisc":
                 pydisc.reset_metrics()
-            _sync(device)
-            t = time.perf_counter()
-            for b in order:
-                m.step(b)
-            m.value()
-            _sync(device)
+            try:
+                _sync(device)
+                t = time.perf_counter()
+                for b in order:
+                    m.step(b)
+                m.value()
+                _sync(device)
+            except Exception as exc:
+                failed(m, exc)
+                continue
             row[m.name] = (time.perf_counter() - t) / len(order)
             row["loss " + m.name] = m.value()
+            live.append(m)
         row["steps"] = len(order)
     else:
         for m in modes:
-            t = time.perf_counter()
-            for k in range(args.warmup):
-                m.step(batches[k % len(batches)])
-            m.value()
-            _sync(device)
+            try:
+                t = time.perf_counter()
+                for k in range(args.warmup):
+                    m.step(batches[k % len(batches)])
+                m.value()
+                _sync(device)
+            except Exception as exc:
+                failed(m, exc)
+                continue
             row["first steps " + m.name] = time.perf_counter() - t
+            live.append(m)
         warm = pydisc.metrics()
         warm_choices = list(warm["speed_choices"])
         row["compiles"] = warm["compiles"]
         row["disk cache hits"] = warm["disk_cache_hits"]
         pydisc.reset_metrics()
-        for m in modes:
+        for m in live:
             m.record_seconds = 0.0
-        times = {m.name: [] for m in modes}
+        times = {m.name: [] for m in live}
         for block in range(args.blocks):
-            for m in modes:
+            for m in live:
                 _sync(device)
                 t = time.perf_counter()
                 for k in range(args.block):
                     m.step(batches[k % len(batches)])
                 _sync(device)
                 times[m.name].append((time.perf_counter() - t) / args.block)
-        for m in modes:
+        for m in live:
             row[m.name] = statistics.median(times[m.name])
             row["loss " + m.name] = m.value()
         row["steps"] = args.blocks * args.block
@@ -361,7 +377,7 @@ def run_one(name: str, args) -> dict:
     row["fallback ops"] = dict(sorted(met["fallback_ops"].items(), key=lambda kv: -kv[1])[:5])
     if w.bytes_moved is not None:
         moved = w.bytes_moved(batches[0])
-        row["GB/s"] = {m.name: moved / row[m.name] / 1e9 for m in modes}
+        row["GB/s"] = {m.name: moved / row[m.name] / 1e9 for m in live}
         row["copy GB/s"] = _copy_bandwidth(device) / 1e9
     return row
 
@@ -381,19 +397,24 @@ def table(rows: list[dict]) -> str:
         if "error" in r:
             out.append("| %s | %s |  |  |  |  |  |  |  |  |  |" % (r["title"], r["error"]))
             continue
-        e, c, p = r["eager"], r["torch.compile"], r["pydisc"]
-        first = " / ".join("%.1f" % r.get("first steps " + m, float("nan")) for m in ("eager", "torch.compile", "pydisc"))
+        e, c, p = r.get("eager"), r.get("torch.compile"), r.get("pydisc")
+        first = " / ".join("%.1f" % r["first steps " + m] if "first steps " + m in r else "-"
+                           for m in ("eager", "torch.compile", "pydisc"))
         if r["name"] == "bert_varlen":
             first = "(included: %d steps)" % r["steps"]
-        out.append("| %s | %s | %s | %s | %.2f | %.2f | %s | %.1f | %.1f (%.1f) | %.1f | %d (%d) |" % (
-            r["title"], _ms(e), _ms(c), _ms(p), p / e, p / c, first, r["clusters/step"], r["eager/step"],
+        ratio = (lambda a, b: "%.2f" % (a / b) if a and b else "-")
+        out.append("| %s | %s | %s | %s | %s | %s | %s | %.1f | %.1f (%.1f) | %.1f | %d (%d) |" % (
+            r["title"], _ms(e), _ms(c), _ms(p), ratio(p, e), ratio(p, c), first, r["clusters/step"], r["eager/step"],
             r["fallbacks/step"], r["record us/op"], r["compiles"], r["disk cache hits"]))
+        for m in ("eager", "torch.compile", "pydisc"):
+            if "failed " + m in r:
+                notes.append("- %s: %s failed: %s" % (r["name"], m, r["failed " + m]))
         if "GB/s" in r:
             g = r["GB/s"]
-            notes.append("- %s: %.0f / %.0f / %.0f GB/s (eager / torch.compile / pydisc) counting one read and one "
-                         "write; copy bandwidth %.0f GB/s, pydisc at %.0f%% of it" % (
-                             r["name"], g["eager"], g["torch.compile"], g["pydisc"], r["copy GB/s"],
-                             100 * g["pydisc"] / r["copy GB/s"]))
+            gbs = " / ".join("%.0f" % g[m] if m in g else "-" for m in ("eager", "torch.compile", "pydisc"))
+            notes.append("- %s: %s GB/s (eager / torch.compile / pydisc) counting one read and one write; copy "
+                         "bandwidth %.0f GB/s%s" % (r["name"], gbs, r["copy GB/s"], ", pydisc at %.0f%% of it" % (
+                             100 * g["pydisc"] / r["copy GB/s"]) if "pydisc" in g else ""))
         if r["fallback ops"]:
             notes.append("- %s: fallbacks %s" % (r["name"], r["fallback ops"]))
         kept_eager = [c for c in r.get("speed_choices", []) if c.endswith("-> eager")]
@@ -402,7 +423,8 @@ def table(rows: list[dict]) -> str:
                 r["name"], len(kept_eager), len(r["speed_choices"]), kept_eager[0]))
         if r.get("direct_launch_fallbacks"):
             notes.append("- %s: %d modules ran through IREE's runtime" % (r["name"], r["direct_launch_fallbacks"]))
-        losses = ", ".join("%s %.4g" % (m, r["loss " + m]) for m in ("eager", "torch.compile", "pydisc"))
+        losses = ", ".join("%s %.4g" % (m, r["loss " + m]) for m in ("eager", "torch.compile", "pydisc")
+                           if "loss " + m in r)
         notes.append("- %s: last value %s" % (r["name"], losses))
     return "\n".join(out + [""] + notes)
 
