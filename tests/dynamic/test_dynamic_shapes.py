@@ -156,18 +156,30 @@ def test_eager_tensor_that_pins_a_dynamic_dim_is_reported():
     assert pinned and "to_lazy" in pinned[0] and "test_dynamic_shapes.py" in pinned[0], m["recompiles"]
 
 
+def _inference_at_sizes(net, reference, make_input, sizes, rtol, atol) -> dict:
+    """Make `net` lazy, run it without grad at each batch size, compare with `reference`; the metrics."""
+    pydisc.lazy(net)
+    with torch.no_grad():
+        for n in sizes:
+            x = make_input(n)
+            out = net(x)
+            pydisc.mark_step()
+            torch.testing.assert_close(out.cpu(), reference(x), rtol=rtol, atol=atol)
+    return pydisc.metrics()
+
+
+def _with_statistics(bn: torch.nn.BatchNorm2d) -> None:
+    """Running statistics that are not the defaults."""
+    with torch.no_grad():
+        bn.running_mean.uniform_(-1, 1)
+        bn.running_var.uniform_(0.5, 2)
+
+
 def test_inference_with_varying_batch_matches_eager():
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)).eval()
-    ref = copy.deepcopy(net)
-    pydisc.lazy(net)
-    with torch.no_grad():
-        for n in (5, 7, 9, 31, 2, 64):
-            x = torch.randn(n, 8)
-            out = net(x)
-            pydisc.mark_step()
-            torch.testing.assert_close(out.cpu(), ref(x), rtol=1e-5, atol=1e-6)
-    m = pydisc.metrics()
+    m = _inference_at_sizes(net, copy.deepcopy(net), lambda n: torch.randn(n, 8), (5, 7, 9, 31, 2, 64),
+                            rtol=1e-5, atol=1e-6)
     # 5: planned for its shape; 7: eager (batch is dynamic from now on); 9: template; 31, 2, 64: matched
     assert m["dynamic_templates"] == 1 and m["dynamic_matches"] == 3, m
 
@@ -178,19 +190,10 @@ def test_batch_norm_in_eval_mode_shares_one_template():
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
                               torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 2))
-    with torch.no_grad():   # running statistics that are not the defaults
-        net[1].running_mean.uniform_(-1, 1)
-        net[1].running_var.uniform_(0.5, 2)
+    _with_statistics(net[1])
     net.eval()
-    ref = copy.deepcopy(net)
-    pydisc.lazy(net)
-    with torch.no_grad():
-        for n in (2, 3, 5, 7, 9, 11):
-            x = torch.randn(n, 3, 6, 6)
-            out = net(x)
-            pydisc.mark_step()
-            torch.testing.assert_close(out.cpu(), ref(x), rtol=1e-5, atol=1e-5)
-    m = pydisc.metrics()
+    m = _inference_at_sizes(net, copy.deepcopy(net), lambda n: torch.randn(n, 3, 6, 6), (2, 3, 5, 7, 9, 11),
+                            rtol=1e-5, atol=1e-5)
     # 2: planned for its shape; 3: eager (batch is dynamic from now on); 5: template; 7, 9, 11: matched
     assert m["dynamic_templates"] == 1 and m["dynamic_matches"] == 3, m
 
@@ -210,21 +213,13 @@ def test_cudnn_batch_norm_in_eval_mode_shares_one_template():
 
     torch.manual_seed(0)
     net = Net()
-    with torch.no_grad():
-        net.bn.running_mean.uniform_(-1, 1)
-        net.bn.running_var.uniform_(0.5, 2)
+    _with_statistics(net.bn)
     net.eval()
     bn = copy.deepcopy(net.bn)
-    pydisc.lazy(net)
-    with torch.no_grad():
-        for n in (2, 3, 5, 7, 9):
-            x = torch.randn(n, 4, 3, 3)
-            out = net(x)
-            pydisc.mark_step()
-            expected = torch.nn.functional.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias,
-                                                      False).relu()
-            torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
-    m = pydisc.metrics()
+    reference = lambda x: torch.nn.functional.batch_norm(  # noqa: E731
+        x, bn.running_mean, bn.running_var, bn.weight, bn.bias, False).relu()
+    m = _inference_at_sizes(net, reference, lambda n: torch.randn(n, 4, 3, 3), (2, 3, 5, 7, 9),
+                            rtol=1e-5, atol=1e-5)
     assert m["dynamic_templates"] == 1 and m["dynamic_matches"] == 2, m
 
 
