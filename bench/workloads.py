@@ -292,6 +292,11 @@ def _copy_bandwidth(device) -> float:
     return 20 * 2 * x.numel() * 4 / (time.perf_counter() - t)
 
 
+def _progress(line: str) -> None:
+    """A line on stderr, so that a run cut by --timeout still says how far it got (kept in the .log)."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def run_one(name: str, args) -> dict:
     device = torch.device(args.device)
     w = workloads(args.tiny, args.varlen_lengths)[name]
@@ -328,6 +333,7 @@ def run_one(name: str, args) -> dict:
                 continue
             row[m.name] = (time.perf_counter() - t) / len(order)
             row["loss " + m.name] = m.value()
+            _progress("%s: %s %.1f s" % (name, m.name, row[m.name] * len(order)))
             live.append(m)
         row["steps"] = len(order)
     else:
@@ -342,6 +348,7 @@ def run_one(name: str, args) -> dict:
                 failed(m, exc)
                 continue
             row["first steps " + m.name] = time.perf_counter() - t
+            _progress("%s: warm-up %s %.1f s" % (name, m.name, row["first steps " + m.name]))
             live.append(m)
         warm = pydisc.metrics()
         warm_choices = list(warm["speed_choices"])
@@ -465,8 +472,11 @@ def main(argv=None) -> int:
             line = next((l for l in done.stdout.splitlines() if l.startswith("ROW ")), None)
             row = json.loads(line[4:]) if line else {
                 "name": name, "title": name, "error": "failed: " + (done.stderr.strip().splitlines() or ["?"])[-1][:200]}
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as exc:
             row = {"name": name, "title": name, "error": "not finished in %.0f s" % args.timeout}
+            if args.json:
+                text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+                Path(args.json + "." + name + ".log").write_text(text(exc.stdout) + text(exc.stderr))
         row["wall s"] = time.perf_counter() - started
         rows.append(row)
         print("%s: %.0f s" % (name, row["wall s"]), file=sys.stderr, flush=True)

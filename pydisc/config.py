@@ -21,6 +21,8 @@ class Config:
     check_every: int = int(_env("PYDISC_CHECK", "0"))    # rerun every Nth execution of a cluster eagerly and compare
     gc_pause: bool = _env("PYDISC_GC_PAUSE", "1") != "0"  # no cyclic GC while a step is being recorded
     progress: bool = _env("PYDISC_PROGRESS", "1") != "0"  # a line per cluster while a long compile runs
+    # iree-compile processes run at once when a new step graph has several clusters to compile
+    compile_jobs: int = int(_env("PYDISC_COMPILE_JOBS", "0")) or min(8, os.cpu_count() or 1)
     # compiled executables shared across processes (docs/cache.md): "" = $XDG_CACHE_HOME/pydisc or
     # ~/.cache/pydisc, "off" = no disk cache; evicted least-recently-used beyond cache_max_mb
     cache_dir: str = _env("PYDISC_CACHE_DIR")

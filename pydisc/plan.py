@@ -13,7 +13,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -369,6 +369,7 @@ def plan_graph(gm: torch.fx.GraphModule, device: torch.device, sources: list[str
     `meta["pydisc_entry"]`); `step_id` names the dump files."""
     from .cluster import add_torch_mlir_regions, is_host_scalar, partition_graph, partition_regions
     from .exec import compile_module
+    from .exec.compiler import precompile
     from .frontend.emit import emit_cluster, unsupported_reason
 
     started = time.perf_counter()
@@ -424,11 +425,13 @@ def plan_graph(gm: torch.fx.GraphModule, device: torch.device, sources: list[str
         sub = getattr(parent, name)
         ops = [n for n in sub.graph.nodes if n.op == "call_function"]
         op_names = [str(n.target) for n in ops]
-        if CONFIG.progress and time.perf_counter() - compile_started > 2.0:
+        if CONFIG.progress and name not in emitted_ahead and time.perf_counter() - compile_started > 2.0:
             print("pydisc: compiling cluster %d/%d (%d ops)..." % (k + 1, total, len(ops)), flush=True)
         t0 = time.perf_counter()
         try:
-            emitted = emit_cluster(sub)
+            emitted = emitted_ahead.pop(name, None) if parent is fused else None
+            if emitted is None:
+                emitted = emit_cluster(sub)
             _dump("step%d_%s.mlir" % (step_id, name), emitted.text)
             compiled = compile_module(emitted.text, device)
         except Exception as exc:
@@ -512,6 +515,23 @@ def plan_graph(gm: torch.fx.GraphModule, device: torch.device, sources: list[str
         METRICS.torch_mlir_ops.update(str(n.target) for n in ops)
         summary.append("  %s: %d ops compiled through torch-mlir: %s" % (name, len(ops), ", ".join(op_names)))
 
+    # emit every cluster first and compile the distinct texts in parallel (CONFIG.compile_jobs
+    # iree-compile processes); compile_into then finds them compiled. A cluster that fails to emit is
+    # left to compile_into, which handles the failure.
+    emitted_ahead: dict[str, Any] = {}
+    if len(part.clusters) > 1 and CONFIG.compile_jobs > 1:
+        for name in part.clusters:
+            try:
+                emitted_ahead[name] = emit_cluster(getattr(fused, name))
+            except Exception:  # noqa: BLE001 - reported by compile_into
+                pass
+
+        def announce(n: int, jobs: int) -> None:
+            if CONFIG.progress:
+                print("pydisc: compiling %d clusters (%d new texts), %d at a time..." % (
+                    len(part.clusters), n, jobs), flush=True)
+
+        precompile([e.text for e in emitted_ahead.values()], device, announce=announce)
     for k, name in enumerate(part.clusters):
         compile_into(fused, name, k, len(part.clusters))
     for name in part.regions:

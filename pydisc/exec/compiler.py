@@ -14,6 +14,7 @@ import hashlib
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import iree.compiler as ireec
 import torch
@@ -27,17 +28,19 @@ from .session import DeviceSession, session_for
 from .direct.module import compile_bundle, load_bundle
 from .target import CUDA_DIRECT_TARGET, Target, target_for
 
-__all__ = ["compile_module", "clear_cache", "text_hash"]
+__all__ = ["compile_module", "precompile", "clear_cache", "text_hash"]
 
 _MAX_DIAGNOSTIC_LINES = 40
 _MAX_DIAGNOSTIC_CHARS = 4000
 
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()   # held across a compile; `_compiled` takes it again inside
 _VMFB_CACHE: dict[tuple[str, str, tuple[str, ...]], bytes] = {}
 _MODULE_CACHE: dict[tuple[str, str, tuple[str, ...], torch.device], CompiledModule] = {}
 INPUT_TYPES = ("stablehlo", "torch")
 # torch-mlir texts IREE rejected: each region of that route is tried once per process, not at every plan
 _FAILED: dict[tuple[str, str, tuple[str, ...]], CompileError] = {}
+# results of `precompile` not yet taken by `compile_module`: the .vmfb bytes, or the CompileError
+_PREFETCHED: dict[tuple, bytes | CompileError] = {}
 
 
 def text_hash(text: str) -> str:
@@ -51,6 +54,54 @@ def clear_cache() -> None:
         _VMFB_CACHE.clear()
         _MODULE_CACHE.clear()
         _FAILED.clear()
+        _PREFETCHED.clear()
+
+
+def precompile(texts: list[str], device: torch.device | str, jobs: int | None = None,
+               announce=None) -> int:
+    """Compile the StableHLO `texts` that no cache holds yet, `jobs` iree-compile processes at a time
+    (CONFIG.compile_jobs), ahead of the `compile_module` calls that will ask for them: a new step graph
+    of a 12-layer model has tens of distinct clusters, each a second or more to compile. Nothing is
+    loaded or counted as a hit here; errors are kept and raised by `compile_module`. Returns the number
+    of texts compiled. `announce(n, jobs)` is called before a parallel compile of n texts starts."""
+    jobs = CONFIG.compile_jobs if jobs is None else jobs
+    target = target_for(device)
+    cache = configured_disk_cache()
+    todo: dict[tuple, tuple[str, str]] = {}
+    for text in texts:
+        digest = text_hash(text)
+        key = (digest, "stablehlo", target.name, target.flags)
+        with _LOCK:
+            known = key in todo or key in _VMFB_CACHE or key in _PREFETCHED or key in _FAILED
+        if known or (cache is not None and cache.contains(cache_key(digest, target, "stablehlo"))):
+            continue
+        todo[key] = (text, digest)
+    if jobs <= 1 or len(todo) < 2:
+        return 0   # one text: compile_module compiles it as it always does
+    jobs = min(jobs, len(todo))
+    if announce is not None:
+        announce(len(todo), jobs)
+
+    def one(item: tuple[str, str]) -> bytes | CompileError:
+        try:
+            return _compile(item[0], item[1], "stablehlo", target)
+        except CompileError as error:
+            return error
+
+    with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="pydisc-compile") as pool:
+        results = list(pool.map(one, todo.values()))
+    with _LOCK:
+        _PREFETCHED.update(zip(todo, results))
+    return len(todo)
+
+
+def _compiled(text: str, digest: str, input_type: str, target: Target) -> bytes:
+    """The .vmfb of `text`: compiled ahead by `precompile`, or now."""
+    with _LOCK:
+        done = _PREFETCHED.pop((digest, input_type, target.name, target.flags), None)
+    if isinstance(done, CompileError):
+        raise done
+    return done if done is not None else _compile(text, digest, input_type, target)
 
 
 def compile_module(text: str, device: torch.device | str, input_type: str = "stablehlo") -> CompiledModule:
@@ -91,7 +142,7 @@ def _load_from_disk_or_compile(
 ) -> CompiledModule:
     cache: DiskCache | None = configured_disk_cache()
     if cache is None:
-        return _module(_compile(text, digest, input_type, target), target, session, name)
+        return _module(_compiled(text, digest, input_type, target), target, session, name)
     disk_key = cache_key(digest, target, input_type)
     module = _load_from_disk(cache, disk_key, target, session, name)
     if module is not None:
@@ -101,7 +152,7 @@ def _load_from_disk_or_compile(
         module = _load_from_disk(cache, disk_key, target, session, name)
         if module is not None:
             return module
-        vmfb = _compile(text, digest, input_type, target)
+        vmfb = _compiled(text, digest, input_type, target)
         module = _module(vmfb, target, session, name)
         cache.put(disk_key, vmfb)  # only modules that load are worth keeping
     return module

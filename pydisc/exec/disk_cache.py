@@ -107,6 +107,10 @@ class DiskCache:
             pass
         return payload
 
+    def contains(self, key: str) -> bool:
+        """Whether an entry exists (unverified: `get` checks it)."""
+        return self._usable() and os.path.exists(self.path(key))
+
     def put(self, key: str, vmfb: bytes) -> None:
         """Store `vmfb` under `key` atomically, then evict while the folder is over its limit."""
         if not self._usable():

@@ -194,7 +194,8 @@ def _lower_node(builder: FunctionBuilder, node: torch.fx.Node, env: dict[torch.f
     ctx = LoweringContext(builder, node, out)  # type: ignore[arg-type]
     args = map_arg(node.args, lambda n: env[n])
     kwargs = map_arg(node.kwargs, lambda n: env[n])
-    builder.line(f"// {node.target}  ({node.name})")
+    # the op only, not the FX node's name: two layers of a model emit the same text, and compile once
+    builder.line(f"// {node.target}")
     try:
         result = LOWERINGS[node.target](ctx, *args, **kwargs)
     except LoweringError:
