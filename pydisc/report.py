@@ -41,7 +41,8 @@ def metrics_report(top: int = 10) -> str:
         for op, count in m.collectives.most_common(top):
             lines.append("    %-40s %6d" % (op, count))
     if m.library_ops:
-        lines.append("  in cuBLAS/cuDNN      %d (%s; PYDISC_GPU_MATMUL=iree compiles them too)" % (
+        lines.append("  in torch by choice   %d (%s): matmuls and convolutions (PYDISC_GPU_MATMUL=iree compiles "
+                     "them too), scatters IREE would run on one GPU thread" % (
             sum(m.library_ops.values()), ", ".join("%s x%d" % kv for kv in m.library_ops.most_common(4))))
     if m.speed_choices:
         lines.append("  measured clusters    %d, %d kept eager because eager was faster" % (

@@ -150,3 +150,44 @@ def test_diagonal_scatter_and_diagonal_backward() -> None:
                 torch.diagonal_scatter(x, x[0, :3] * 2, -1), torch.diagonal_scatter(y, y[0, :3, :1], 1, 2, 0)]
 
     check(fn, torch.randn(4, 5), torch.randn(2, 3, 4))
+
+
+def test_large_reductions_over_leading_dims_split_in_two_stages() -> None:
+    # IREE's GPU code loops over all reduced elements in one thread per result (a bias gradient) or one
+    # thread in all (a scalar): from SPLIT_REDUCTION_MIN elements on, the emitter reduces in two stages
+    def fn(x: torch.Tensor, y: torch.Tensor, h: torch.Tensor) -> list[torch.Tensor]:
+        return [x.sum(0), (x * 2).sum(), x.amax(0), y.sum((0, 1)), y.mean(), h.sum(0), h.sum(), x.sum(1), (x > 0).sum()]
+
+    cluster = check(fn, torch.randn(8192, 24), torch.randn(64, 96, 8), torch.randn(4096, 3).to(torch.bfloat16),
+                    rtol=1e-4, atol=1e-3)
+    reduces = cluster.text.count('"stablehlo.reduce"')
+    assert reduces >= 2 * 8 + 1, reduces        # the row sum x.sum(1) is not split
+
+
+def test_split_choice() -> None:
+    from pydisc.frontend.lowering import reductions
+    from pydisc.frontend.lowering.values import TensorSpec, Value
+
+    def split(shape, dims):
+        return reductions._split(Value("%x", TensorSpec(shape, torch.float32)), dims)
+
+    assert split((32768, 768), [0]) == (256, 128, (768,))       # k near sqrt(R): both stages loop ~the same
+    assert split((64, 512, 768), [0, 1]) == (256, 128, (768,))
+    assert split((16384, 4096), [0, 1]) == (65536, 1024, ())    # to a scalar: contiguous rows of 1024
+    assert split((4095, 8), [0]) is None                         # too few elements to pay
+    assert split((8192, 24), [1]) is None                        # an inner reduction is parallel already
+    assert split((8191 * 2, 4), [0]) is None                     # no power-of-two factor to split by
+
+
+def test_as_strided_scatter_marks_non_overlapping_views_unique() -> None:
+    from pydisc.frontend.lowering.indexing import _non_overlapping
+
+    assert _non_overlapping((3, 2), (2, 1)) and _non_overlapping((2, 3), (1, 2)) and _non_overlapping((4,), (3,))
+    assert not _non_overlapping((3, 2), (1, 1)) and not _non_overlapping((2, 5), (0, 1))
+    assert _non_overlapping((1, 5), (0, 1))     # a dim of size 1 never repeats a position
+
+    def fn(x: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        return torch.as_strided_scatter(x, src, (3, 2), (2, 1), 1)
+
+    cluster = check(fn, torch.randn(8), torch.randn(3, 2))
+    assert "unique_indices = true" in cluster.text

@@ -233,8 +233,11 @@ def scatter(
 
 
 def _scatter_op(b: FunctionBuilder, x: Value, coords: Value, updates: Value, numbers: str,
-                combine: Callable[..., Value] | None) -> Value:
-    """`stablehlo.scatter` into a copy of `x`: `combine(b, current, update)`, or overwrite when None."""
+                combine: Callable[..., Value] | None, unique: bool = False) -> Value:
+    """`stablehlo.scatter` into a copy of `x`: `combine(b, current, update)`, or overwrite when None.
+    `unique`: no two updates share a coordinate. IREE 3.13 runs a scatter that may repeat coordinates
+    on one GPU thread (the embedding gradient: 1 s against torch's 4 ms on the H200), a unique one in
+    parallel."""
     scalar = TensorSpec((), x.dtype)
 
     def body(current: Value, update: Value) -> list[Value]:
@@ -244,7 +247,8 @@ def _scatter_op(b: FunctionBuilder, x: Value, coords: Value, updates: Value, num
         "stablehlo.scatter",
         [b.fresh_copy(x), coords, updates],
         x.type,
-        {"scatter_dimension_numbers": numbers, "indices_are_sorted": "false", "unique_indices": "false"},
+        {"scatter_dimension_numbers": numbers, "indices_are_sorted": "false",
+         "unique_indices": "true" if unique else "false"},
         regions=[b.block([scalar, scalar], body)],
     )  # type: ignore[return-value]
 
@@ -257,10 +261,10 @@ def _updates(b: FunctionBuilder, src: Value | float, index: Value, dtype: torch.
 
 
 def _one_per_row(x: Value, dim: int, index: Value) -> bool:
-    """A dynamic scatter that writes one element per row along `dim` (nll_loss's backward): emitted as
-    a one-hot select instead, since IREE 3.13 fails on some fusions of a dynamic scatter ('stack
-    allocation size overflows')."""
-    return (not x.type.is_static and index.rank == x.rank and index.shape[dim] == 1
+    """A scatter that writes one element per row along `dim` (nll_loss's backward): emitted as a one-hot
+    select instead, a parallel elementwise op (IREE 3.13 runs a scatter that may repeat coordinates on
+    one GPU thread, and fails on some fusions of a dynamic one: 'stack allocation size overflows')."""
+    return (index.rank == x.rank and index.shape[dim] == 1
             and all(same_size(index.shape[d], x.shape[d]) for d in range(x.rank) if d != dim))
 
 
@@ -462,8 +466,20 @@ def _as_strided_scatter(ctx: LoweringContext, x: Value, src: Value, size: Sequen
     positions = b.reshape(_strided_positions(b, size, stride, storage_offset), (*size, 1))
     numbers = (f"#stablehlo.scatter<update_window_dims = [], inserted_window_dims = [0], "
                f"scatter_dims_to_operand_dims = [0], index_vector_dim = {len(size)}>")
-    written = _scatter_op(b, flat, positions, b.reshape(b.convert(src, x.dtype), tuple(size)), numbers, None)
+    written = _scatter_op(b, flat, positions, b.reshape(b.convert(src, x.dtype), tuple(size)), numbers, None,
+                          unique=_non_overlapping(size, stride))
     return b.reshape(written, x.shape)
+
+
+def _non_overlapping(size: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether a strided view reaches every storage position at most once: taken by increasing stride,
+    each dim of size > 1 steps past the whole extent of the ones before it."""
+    extent = 1
+    for n, step in sorted(((n, s) for n, s in zip(size, stride) if n > 1), key=lambda p: p[1]):
+        if step < extent:
+            return False
+        extent = step * n
+    return True
 
 
 @support_check(aten.as_strided.default, aten.as_strided_copy.default, prims.as_strided_scatter.default)

@@ -48,11 +48,48 @@ def _identity(kind: str, dtype: torch.dtype) -> float | int | bool:
     return info.min if kind == "maximum" else info.max
 
 
+# A reduction of at least this many elements per result is split in two stages (`_split`).
+SPLIT_REDUCTION_MIN = 4096
+
+
 def _reduce(b: FunctionBuilder, x: Value, dims: Sequence[int], kind: str) -> Value:
     if not dims:
         return x
+    split = _split(x, dims)
+    if split is not None:
+        # [R, *kept] -> [R/k, k, *kept] -> [k, *kept] -> kept: see `_split`
+        rows, k, kept = split
+        staged = b.reshape(x, (rows, k, *kept))
+        if not kept:   # to a scalar: contiguous rows of k first, then the R/k partial results
+            return _reduce(b, _reduce(b, staged, [1], kind), [0], kind)
+        return _reduce(b, _reduce(b, staged, [0], kind), [0], kind)
     init = b.constant(_identity(kind, x.dtype), x.dtype)
     return b.reduce([x], [init], dims, lambda acc, v: [b.binary(kind, acc, v)])[0]
+
+
+def _split(x: Value, dims: Sequence[int]) -> tuple[int, int, tuple[int, ...]] | None:
+    """IREE 3.13's GPU code gives a reduction over leading dims (a bias gradient: [tokens, 768] ->
+    [768]) one thread per result, looping over all R reduced elements, and a reduction to a scalar one
+    thread in all: at R = 32768 these ran 5-100x slower than torch on the H200. With static sizes, a
+    reduction over the leading dims (all dims included) of R >= SPLIT_REDUCTION_MIN elements is done in
+    two: R = (R/k) x k, first over the R/k (k times the threads), then over the k. Returns
+    (R/k, k, kept shape) or None. To a scalar, the k contiguous elements are reduced first instead.
+    The order of a float sum changes with it, as it does between torch's kernels."""
+    if not x.type.is_static or list(dims) != list(range(len(dims))):
+        return None
+    kept = tuple(x.shape[len(dims):])
+    reduced = math.prod(x.shape[: len(dims)])
+    if reduced < SPLIT_REDUCTION_MIN:
+        return None
+    results = math.prod(kept)
+    # to a scalar: rows of 1024 (one subgroup-wide row reduction each); otherwise k near sqrt(R), so that
+    # both stages loop about as long, within 2^20 partial results
+    candidates = (1024, 512, 256) if not kept else sorted((8, 16, 32, 64, 128, 256, 512, 1024),
+                                                          key=lambda k: abs(math.log2(k) - math.log2(reduced) / 2))
+    for k in candidates:
+        if reduced % k == 0 and reduced // k >= 16 and k * results <= 2 ** 20:
+            return reduced // k, k, kept
+    return None
 
 
 def reduce_sum(b: FunctionBuilder, x: Value, dims: Sequence[int], dtype: torch.dtype) -> Value:
