@@ -42,7 +42,7 @@ def metrics_report(top: int = 10) -> str:
             lines.append("    %-40s %6d" % (op, count))
     if m.library_ops:
         lines.append("  in torch by choice   %d (%s): matmuls and convolutions (PYDISC_GPU_MATMUL=iree compiles "
-                     "them too), scatters IREE would run on one GPU thread" % (
+                     "them too), scatters and max pooling, slow in IREE's GPU code" % (
             sum(m.library_ops.values()), ", ".join("%s x%d" % kv for kv in m.library_ops.most_common(4))))
     if m.speed_choices:
         lines.append("  measured clusters    %d, %d kept eager because eager was faster" % (
