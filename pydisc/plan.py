@@ -62,13 +62,18 @@ class CompiledCluster(torch.nn.Module):
         self.prepare = _size_function(emitted, device) if emitted.dynamic else None
         self.calls = 0
         self.eager_faster = False     # measured on its second call (`measure`): eager ran it faster
+        self.text = emitted.text      # names the measured choice kept on disk (exec/choices.py)
+        self.choice_key = None        # that choice's key, from the first call; False once decided
 
     def forward(self, *inputs):
         if self.eager_faster:
             return self.fallback(*inputs)
+        measuring = self.choice_key is not False and CONFIG.measure in ("all", self.device.type)
+        if measuring and self.calls == 0 and self.recall(inputs):
+            return self.fallback(*inputs)    # eager measured faster by an earlier process
         results = self.run_compiled(inputs)
         self.calls += 1
-        if self.calls == 2 and CONFIG.measure in ("all", self.device.type) and not (
+        if measuring and self.calls == 2 and not (
                 self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             chosen = self.measure(inputs)    # (not while a CUDA graph is captured: it synchronises)
             if chosen is not None:
@@ -98,7 +103,11 @@ class CompiledCluster(torch.nn.Module):
         turns, the best of each; the first call, which loads the kernels, is not timed), and keep eager
         from now on when it is faster by more than 10%: kernel quality and per-call costs vary, and a
         region goes to IREE only where it pays. Returns eager's outputs when eager is kept, else None.
-        The decision is reported in `metrics()["speed_choices"]`."""
+        The decision is reported in `metrics()["speed_choices"]` and kept in the disk cache
+        (exec/choices.py), where `recall` finds it in a later process."""
+        from .exec import choices
+
+        key, self.choice_key = self.choice_key, False
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda *a: None)
 
         def timed(run):
@@ -108,9 +117,7 @@ class CompiledCluster(torch.nn.Module):
             sync(self.device)
             return time.perf_counter() - started, out
 
-        ops = [n for n in self.fallback.graph.nodes if n.op == "call_function"]
-        names = sorted({str(n.target).replace("aten.", "").replace(".default", "") for n in ops})
-        what = "%s (%d ops: %s%s)" % (self.name, len(ops), ", ".join(names[:4]), ", ..." if len(names) > 4 else "")
+        what = self._what()
         compiled, eager = [], []
         try:
             for _ in range(2):
@@ -124,6 +131,8 @@ class CompiledCluster(torch.nn.Module):
         keep_eager = e < 0.9 * c
         METRICS.speed_choices.append("%s: IREE %.0f us, eager %.0f us -> %s" % (
             what, 1e6 * c, 1e6 * e, "eager" if keep_eager else "IREE"))
+        choices.store(key, {"choice": "eager" if keep_eager else "IREE", "iree_us": round(1e6 * c, 1),
+                            "eager_us": round(1e6 * e, 1)})
         if not keep_eager:
             return None
         log("compiles", "cluster %s runs eagerly from now on: %.0f us eager, %.0f us compiled", self.name,
@@ -131,6 +140,30 @@ class CompiledCluster(torch.nn.Module):
         METRICS.clusters_eager_faster += 1
         self.eager_faster = True
         return expected
+
+    def recall(self, inputs) -> bool:
+        """On the first call: take the choice an earlier process measured for this cluster text at these
+        sizes on this kind of device (exec/choices.py), if any; True when that choice is eager."""
+        from .exec import choices
+        from .exec.compiler import text_hash
+
+        self.choice_key = choices.choice_key(text_hash(self.text), self.device, inputs)
+        known = choices.lookup(self.choice_key)
+        if known is None:
+            return False
+        self.choice_key = False
+        keep_eager = known.get("choice") == "eager"
+        METRICS.speed_choices.append("%s: IREE %.0f us, eager %.0f us -> %s (measured before)" % (
+            self._what(), known.get("iree_us", 0), known.get("eager_us", 0), "eager" if keep_eager else "IREE"))
+        if keep_eager:
+            METRICS.clusters_eager_faster += 1
+            self.eager_faster = True
+        return keep_eager
+
+    def _what(self) -> str:
+        ops = [n for n in self.fallback.graph.nodes if n.op == "call_function"]
+        names = sorted({str(n.target).replace("aten.", "").replace(".default", "") for n in ops})
+        return "%s (%d ops: %s%s)" % (self.name, len(ops), ", ".join(names[:4]), ", ..." if len(names) > 4 else "")
 
     def out_of_memory(self, exc: RuntimeError) -> RuntimeError:
         """`exc`, a failed allocation of this cluster's outputs or inside IREE, with the cluster named."""

@@ -180,8 +180,8 @@ class DiskCache:
         for path, _, _ in entries:
             _remove_quietly(path)
         for name in os.listdir(self.directory):
-            if name.startswith((_TEMP_PREFIX, _LOCK_PREFIX)):
-                _remove_quietly(os.path.join(self.directory, name))
+            if name.startswith((_TEMP_PREFIX, _LOCK_PREFIX)) or name == "speed_choices.json":
+                _remove_quietly(os.path.join(self.directory, name))   # and the measured choices (choices.py)
         return len(entries), sum(size for _, size, _ in entries)
 
     def check_folder(self) -> None:

@@ -6,18 +6,23 @@ import torch
 
 import pydisc
 from pydisc.config import CONFIG
+from pydisc.exec import choices
 from pydisc.plan import CompiledCluster
 from pydisc.step import clear_plans
 
 
 @pytest.fixture
-def measure_cpu(monkeypatch):
+def measure_cpu(monkeypatch, request):
     monkeypatch.setattr(CONFIG, "measure", "all")
     monkeypatch.setattr(CONFIG, "dynamic", False)
+    # each test its own file of measured choices in the (shared) compile cache
+    monkeypatch.setattr(choices, "FILE_NAME", "speed_choices-%s.json" % request.node.name)
+    choices.forget()
     clear_plans()
     pydisc.reset_metrics()
     yield
     clear_plans()
+    choices.forget()
 
 
 def _four_steps(device: str = "cpu") -> int:
@@ -105,3 +110,34 @@ def test_measured_choice_on_cuda(slow_compiled_default_measure):
     assert _four_steps("cuda") == 4        # steps 1 and 2, and the two timed calls
     m = pydisc.metrics()
     assert m["clusters_eager_faster"] == 1 and m["speed_choices"][0].endswith("-> eager"), m["speed_choices"]
+
+
+def test_a_measured_choice_is_kept_in_the_cache_and_taken_by_a_later_process(measure_cpu, monkeypatch):
+    # first "process": the compiled calls are slowed, eager is measured faster and the choice stored
+    slowed = _slowed(CompiledCluster.run_compiled, 0.02)
+    monkeypatch.setattr(CompiledCluster, "run_compiled", slowed)
+    _four_steps()
+    assert pydisc.metrics()["speed_choices"][0].endswith("-> eager")
+    # a later "process": nothing in memory, the same cluster at the same sizes; no compiled call at all,
+    # no timing, the stored choice is reported
+    clear_plans()
+    choices.forget()
+    pydisc.reset_metrics()
+    compiled_calls = []
+    monkeypatch.setattr(CompiledCluster, "run_compiled", lambda self, inputs: compiled_calls.append(1) or slowed(self, inputs))
+    monkeypatch.setattr(CompiledCluster, "measure", lambda self, inputs: pytest.fail("measured again"))
+    assert _four_steps() == 0 and not compiled_calls
+    m = pydisc.metrics()
+    assert m["clusters_eager_faster"] == 1 and len(m["speed_choices"]) == 1, m["speed_choices"]
+    assert m["speed_choices"][0].endswith("-> eager (measured before)")
+    # other sizes are another measurement
+    clear_plans()
+    pydisc.reset_metrics()
+    monkeypatch.setattr(CompiledCluster, "measure", lambda self, inputs: compiled_calls.append("measured"))
+    x = pydisc.to_lazy(torch.randn(6))
+    pydisc.mark_step()
+    for _ in range(3):
+        y = (x * 3.0 + 1.0).sin() * x
+        pydisc.mark_step()
+        torch.testing.assert_close(y.cpu(), (x.cpu() * 3.0 + 1.0).sin() * x.cpu())
+    assert "measured" in compiled_calls
