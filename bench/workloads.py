@@ -352,6 +352,7 @@ def run_one(name: str, args) -> dict:
             live.append(m)
         warm = pydisc.metrics()
         warm_choices = list(warm["speed_choices"])
+        row["step choice"] = warm["step_choice"]
         row["compiles"] = warm["compiles"]
         row["disk cache hits"] = warm["disk_cache_hits"]
         pydisc.reset_metrics()
@@ -381,6 +382,7 @@ def run_one(name: str, args) -> dict:
     row["plans"] = met["plans_compiled"]
     row["direct_launch_fallbacks"] = sum(met["direct_launch_fallbacks"].values())
     row["speed_choices"] = warm_choices + met["speed_choices"]
+    row["step choice"] = met["step_choice"] or row.get("step choice", "")
     row["fallback ops"] = dict(sorted(met["fallback_ops"].items(), key=lambda kv: -kv[1])[:5])
     if w.bytes_moved is not None:
         moved = w.bytes_moved(batches[0])
@@ -424,6 +426,8 @@ def table(rows: list[dict]) -> str:
                              100 * g["pydisc"] / r["copy GB/s"]) if "pydisc" in g else ""))
         if r["fallback ops"]:
             notes.append("- %s: fallbacks %s" % (r["name"], r["fallback ops"]))
+        if r.get("step choice"):
+            notes.append("- %s: whole steps (PYDISC_STEP_CHOICE): %s" % (r["name"], r["step choice"]))
         kept_eager = [c for c in r.get("speed_choices", []) if c.endswith("-> eager")]
         if kept_eager:
             notes.append("- %s: %d of %d measured clusters kept eager (faster), e.g. %s" % (
@@ -442,7 +446,8 @@ def main(argv=None) -> int:
     p.add_argument("--only", default="", help="comma-separated workloads (default: all): " +
                    ", ".join(workloads(True, 1)))
     p.add_argument("--tiny", action="store_true", help="tiny sizes, to check the harness")
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=12, help="steps before timing: pydisc compiles, measures its "
+                   "clusters (2nd call) and, with PYDISC_STEP_CHOICE, whole steps (steps 4-9)")
     p.add_argument("--blocks", type=int, default=5)
     p.add_argument("--block", type=int, default=4)
     p.add_argument("--varlen-steps", type=int, default=200)

@@ -38,6 +38,9 @@ class Config:
     # on its second call, time each compiled cluster against its ops run eagerly and keep eager where
     # it is >10% faster (plan.CompiledCluster.measure): "cuda" (default), "cpu", "all" or "off"
     measure: str = _env("PYDISC_MEASURE", "cuda")
+    # once a step graph repeats, time a few steps compiled and a few run eagerly op by op, and keep the
+    # faster for the rest of the process (pydisc/step_choice.py): "cuda" (default), "cpu", "all", "off"
+    step_choice: str = _env("PYDISC_STEP_CHOICE", "cuda")
     # the torch-mlir route: ops with no StableHLO rule are compiled through torch-mlir's FX importer
     # (frontend/torch_mlir.py) instead of running eagerly, where it can
     torch_mlir: bool = _env("PYDISC_TORCH_MLIR", "1") != "0"

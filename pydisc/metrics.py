@@ -51,6 +51,7 @@ class Metrics:
     numerics_mismatches: list = field(default_factory=list)
     clusters_eager_faster: int = 0    # compiled clusters that run eagerly because eager was measured faster
     speed_choices: list = field(default_factory=list)           # per measured cluster: times and choice
+    step_choice: str = ""        # the whole-step choice (step_choice.py): times per step and the mode kept
     direct_launches: int = 0          # CUDA kernels, copies and fills pydisc queued on torch's stream itself
     direct_launch_fallbacks: Counter = field(default_factory=Counter)  # reason -> modules run by IREE's runtime
 

@@ -44,6 +44,8 @@ def metrics_report(top: int = 10) -> str:
         lines.append("  in torch by choice   %d (%s): matmuls and convolutions (PYDISC_GPU_MATMUL=iree compiles "
                      "them too), scatters and max pooling, slow in IREE's GPU code" % (
             sum(m.library_ops.values()), ", ".join("%s x%d" % kv for kv in m.library_ops.most_common(4))))
+    if m.step_choice:
+        lines.append("  whole steps          %s" % m.step_choice)
     if m.speed_choices:
         lines.append("  measured clusters    %d, %d kept eager because eager was faster" % (
             len(m.speed_choices), m.clusters_eager_faster))

@@ -18,7 +18,7 @@ from .config import CONFIG
 from .diagnostics import explain_recompile, log, warn_once
 from .frontend.lazy_tensor import (PRUNE_FIRST_AT, RECORDER, LazyTensor, _flat_base, _layout, _view_of_base,
                                    set_executor)
-from . import dynamic, optimizer_state
+from . import dynamic, optimizer_state, step_choice
 from .dynamic import Binding
 from .frontend.replay import NotDynamic, Program, concrete_program, program_from_trace, symbolic_program
 from .frontend.trace import LazyStorage, Trace
@@ -36,6 +36,7 @@ def clear_plans() -> None:
     _PLANS.clear()
     _SEEN_OPS.clear()
     dynamic.clear()
+    step_choice.reset()
     RECORDER.capture_sources = True     # the next step plans: its ops' source lines are wanted
 
 
@@ -163,9 +164,10 @@ def run_pending(target: LazyTensor | None = None, reason: str = "mark_step") -> 
     no longer be read, and the next step starts clean."""
     with RECORDER.lock:
         trace = RECORDER.trace
+        ran = (None, False, None)
         try:
             if trace.entries:
-                _run(trace, target)
+                ran = _run(trace, target)
         except BaseException as exc:
             RECORDER.new_trace()
             RECORDER.end_step()
@@ -177,10 +179,14 @@ def run_pending(target: LazyTensor | None = None, reason: str = "mark_step") -> 
             RECORDER.end_step()
         if reason == "mark_step" or not RECORDER.trace.entries:    # nothing left that could be abandoned
             optimizer_state.completed()
+        if reason == "mark_step" and target is None:
+            step_choice.after_mark_step(*ran)
 
 
-def _run(trace: Trace, target: LazyTensor | None) -> None:
+def _run(trace: Trace, target: LazyTensor | None) -> tuple:
+    """Returns (the plan's cache key or None, whether the plan came from the cache, the device)."""
     n = len(trace.entries)
+    cached = False
     if target is None:
         executed = list(range(n))
     else:
@@ -215,8 +221,9 @@ def _run(trace: Trace, target: LazyTensor | None) -> None:
         if plan is None:
             plan = _plan_concrete(trace, key, executed, outputs, inputs, device, remaining)
             if plan is None:
-                return          # ran eagerly and bound (a shape change: dynamic dims from now on)
+                return None, False, device   # ran eagerly and bound (a shape change: dynamic dims from now on)
         else:
+            cached = True
             METRICS.graph_cache_hits += 1
             RECORDER.capture_sources = CONFIG.strict
         if type(plan) is Binding:
@@ -260,6 +267,7 @@ def _run(trace: Trace, target: LazyTensor | None) -> None:
     for op, count in plan.library_ops.items():
         METRICS.library_ops[op] += count
     _bind(trace, outputs, results, executed, remaining)
+    return key, cached, device
 
 
 def _is_out_of_memory(exc: BaseException) -> bool:

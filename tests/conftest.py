@@ -19,14 +19,17 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _no_measured_choice() -> None:
     """Tests compare compiled clusters with eager and count executions; a cluster that the measured
-    choice (PYDISC_MEASURE, on CUDA by default) sends to eager would make them compare eager with
-    eager. tests/cluster/test_measure.py turns it on where it is the subject."""
-    if "PYDISC_MEASURE" in os.environ:
-        return
-    os.environ["PYDISC_MEASURE"] = "off"
+    choice (PYDISC_MEASURE, on CUDA by default) sends to eager, or whole steps the step choice
+    (PYDISC_STEP_CHOICE) runs eagerly, would make them compare eager with eager.
+    tests/cluster/test_measure.py turns them on where they are the subject."""
     from pydisc.config import CONFIG
 
-    CONFIG.measure = "off"
+    if "PYDISC_MEASURE" not in os.environ:
+        os.environ["PYDISC_MEASURE"] = "off"
+        CONFIG.measure = "off"
+    if "PYDISC_STEP_CHOICE" not in os.environ:
+        os.environ["PYDISC_STEP_CHOICE"] = "off"
+        CONFIG.step_choice = "off"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:

@@ -322,6 +322,9 @@ class Recorder:
         # drops the entries whose tensors have all died.
         self.pruner: Callable[[], None] | None = None
         self.prune_at = PRUNE_FIRST_AT
+        # Every op runs at once in torch, nothing is recorded: a step measured faster eagerly than
+        # compiled (pydisc/step_choice.py), or the eager half of that measurement.
+        self.passthrough = False
 
     def new_trace(self) -> Trace:
         """A fresh pending trace. Within a step (after a read ran everything recorded so far) the
@@ -455,6 +458,9 @@ class Recorder:
         # One lock serialises recording: autograd runs backward on its own thread per CUDA device, so
         # several threads legitimately record into one step; the lock keeps the trace consistent.
         with self.lock:
+            if self.passthrough and not self.trace.entries:
+                info = _OPINFO.get(id(func)) or _opinfo(func)
+                return self.run_eager(func, args, kwargs, info, fallback=False, count=False)
             if not self.trace.entries and CONFIG.gc_pause and gc.isenabled():
                 # A step allocates thousands of small objects that all live until mark_step; letting
                 # the cyclic GC scan them (and the whole heap) as they pile up costs more than recording.
@@ -498,7 +504,7 @@ class Recorder:
     def run_eager(self, func, args, kwargs, info: OpInfo, *, fallback: bool, count: bool = True):
         def unwrap(a):
             if isinstance(a, LazyTensor):
-                return materialize(a, reason=str(func))
+                return a._real if self.is_clean(a) else materialize(a, reason=str(func))
             if isinstance(a, LiftedScalar):
                 return torch.tensor(a.value, dtype=torch.float32)
             if isinstance(a, (list, tuple)):

@@ -141,3 +141,64 @@ def test_a_measured_choice_is_kept_in_the_cache_and_taken_by_a_later_process(mea
         pydisc.mark_step()
         torch.testing.assert_close(y.cpu(), (x.cpu() * 3.0 + 1.0).sin() * x.cpu())
     assert "measured" in compiled_calls
+
+
+def _training(steps: int, lazy: bool, seed: int = 0):
+    """A small MLP trained with SGD; the losses, and the model."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    if lazy:
+        model = pydisc.lazy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(5, 8, generator=g), torch.randint(0, 3, (5,), generator=g)) for _ in range(4)]
+    losses = []
+    for k in range(steps):
+        x, y = data[k % 4]
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+        if lazy:
+            pydisc.mark_step()
+    return [float(v) for v in losses], model
+
+
+@pytest.fixture
+def step_choice_cpu(monkeypatch):
+    monkeypatch.setattr(CONFIG, "step_choice", "cpu")
+    monkeypatch.setattr(CONFIG, "dynamic", False)
+    clear_plans()
+    pydisc.reset_metrics()
+    yield
+    clear_plans()
+
+
+@pytest.mark.parametrize("slower", ["compiled", "eager"])
+def test_whole_steps_run_eagerly_where_that_is_measured_faster(step_choice_cpu, monkeypatch, slower):
+    # once the step repeats (3 cached runs), 3 steps are timed compiled and 3 run eagerly op by op;
+    # the faster mode is kept. Either side is slowed deterministically; the training matches eager.
+    from pydisc.frontend import lazy_tensor
+
+    if slower == "compiled":
+        monkeypatch.setattr(CompiledCluster, "run_compiled", _slowed(CompiledCluster.run_compiled, 0.05))
+    else:
+        run_eager = lazy_tensor.Recorder.run_eager
+
+        def slow_run_eager(self, *args, **kwargs):
+            if self.passthrough:
+                time.sleep(0.005)
+            return run_eager(self, *args, **kwargs)
+        monkeypatch.setattr(lazy_tensor.Recorder, "run_eager", slow_run_eager)
+    expected, _ = _training(16, lazy=False)
+    losses, model = _training(16, lazy=True)
+    torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
+    m = pydisc.metrics()
+    kept = "eager" if slower == "compiled" else "compiled"
+    assert m["step_choice"].endswith("-> " + kept), m["step_choice"]
+    assert "whole steps" in pydisc.metrics_report()
+    steps_compiled = m["steps"]
+    losses, _ = _training(4, lazy=True, seed=2)      # and on: eager steps record nothing
+    assert (pydisc.metrics()["steps"] == steps_compiled) == (kept == "eager")
+    assert all(pydisc.is_lazy(p) for p in model.parameters())

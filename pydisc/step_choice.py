@@ -1,0 +1,102 @@
+"""The whole-step choice: compiled steps or plain eager execution, whichever is faster, measured.
+
+A lazy step pays for recording every op (tens of µs each in Python) before anything runs; where the
+compiled clusters do not win that back (small models, host-bound steps; on the H200 every training
+workload of bench/workloads.py so far), running the ops at once in torch is faster. Once a step graph
+repeats (the same plan, taken from the cache, `WARM` times in a row: its clusters are loaded and their
+own measured choices made), the time from one `mark_step()` to the next is measured for `WINDOW`
+steps compiled, then for `WINDOW` steps with the recorder in pass-through (every op runs in torch at
+once, `Recorder.passthrough`), each step synchronised. If eager was faster, pass-through stays on for
+the rest of the process: warned once, in `metrics()["step_choice"]` and the report. Otherwise the
+compiled steps resume.
+
+`PYDISC_STEP_CHOICE`: `cuda` (default: steps on a GPU), `cpu`, `all` or `off`.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from .config import CONFIG
+from .diagnostics import warn_once
+from .frontend.lazy_tensor import RECORDER
+from .metrics import METRICS
+
+__all__ = ["after_mark_step", "reset"]
+
+WARM = 3        # cached runs of one plan in a row before measuring
+WINDOW = 3      # steps timed in each mode
+
+
+class _State:
+    def __init__(self) -> None:
+        self.phase = "idle"        # idle -> compiled -> eager -> decided
+        self.key = None            # the plan being measured
+        self.streak = 0            # cached runs of `key` in a row
+        self.device: torch.device | None = None
+        self.last = 0.0            # time of the last synchronised mark_step
+        self.times: dict[str, list[float]] = {"compiled": [], "eager": []}
+
+
+_STATE = _State()
+
+
+def reset() -> None:
+    """Forget the measurement and leave pass-through (tests; `pydisc.step.clear_plans`)."""
+    global _STATE
+    _STATE = _State()
+    RECORDER.passthrough = False
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def after_mark_step(key, cached: bool, device: torch.device | None) -> None:
+    """Called at the end of each `mark_step()`: `key` is the plan the step ran (None: nothing ran, or
+    a plan not reusable), `cached` whether it came from the plan cache."""
+    s = _STATE
+    if s.phase == "decided":
+        return
+    if s.phase == "eager":
+        s.times["eager"].append(_now(s.device) - s.last)
+        s.last = _now(s.device)
+        if len(s.times["eager"]) == WINDOW:
+            _decide(s)
+        return
+    if key is None or not cached or device is None or CONFIG.step_choice not in ("all", device.type):
+        s.phase, s.streak, s.key = "idle", 0, None
+        s.times["compiled"].clear()
+        return
+    if key != s.key:
+        s.phase, s.key, s.streak = "idle", key, 0
+        s.times["compiled"].clear()
+    s.streak += 1
+    if s.phase == "idle":
+        if s.streak >= WARM:
+            s.phase, s.device = "compiled", device
+            s.last = _now(device)
+        return
+    s.times["compiled"].append(_now(device) - s.last)
+    s.last = _now(device)
+    if len(s.times["compiled"]) == WINDOW:
+        s.phase = "eager"
+        RECORDER.passthrough = True
+
+
+def _decide(s: _State) -> None:
+    compiled, eager = statistics.median(s.times["compiled"]), statistics.median(s.times["eager"])
+    keep_eager = eager < compiled
+    s.phase = "decided"
+    RECORDER.passthrough = keep_eager
+    METRICS.step_choice = "compiled %.2f ms, eager %.2f ms per step -> %s" % (
+        1e3 * compiled, 1e3 * eager, "eager" if keep_eager else "compiled")
+    if keep_eager:
+        warn_once("step-choice",
+                  "pydisc: steps ran faster eagerly (%.2f ms) than recorded and compiled (%.2f ms); from now on "
+                  "every op runs in torch at once, nothing is compiled (PYDISC_STEP_CHOICE=off keeps "
+                  "compiling)" % (1e3 * eager, 1e3 * compiled))
