@@ -10,7 +10,8 @@ once, `Recorder.passthrough`), each step synchronised. If eager was faster, pass
 the rest of the process: warned once, in `metrics()["step_choice"]` and the report. Otherwise the
 compiled steps resume.
 
-`PYDISC_STEP_CHOICE`: `cuda` (default: steps on a GPU), `cpu`, `all` or `off`.
+`PYDISC_STEP_CHOICE`: `cuda` (default: steps on a GPU), `cpu`, `all` or `off`. Not in a
+torch.distributed process group (each rank would decide alone).
 """
 from __future__ import annotations
 
@@ -68,7 +69,8 @@ def after_mark_step(key, cached: bool, device: torch.device | None) -> None:
         if len(s.times["eager"]) == WINDOW:
             _decide(s)
         return
-    if key is None or not cached or device is None or CONFIG.step_choice not in ("all", device.type):
+    if key is None or not cached or device is None or CONFIG.step_choice not in ("all", device.type) or \
+            _distributed():
         s.phase, s.streak, s.key = "idle", 0, None
         s.times["compiled"].clear()
         return
@@ -86,6 +88,12 @@ def after_mark_step(key, cached: bool, device: torch.device | None) -> None:
     if len(s.times["compiled"]) == WINDOW:
         s.phase = "eager"
         RECORDER.passthrough = True
+
+
+def _distributed() -> bool:
+    """Ranks would time and decide each on its own, and could end up in different modes: not measured
+    in a process group."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _decide(s: _State) -> None:
