@@ -63,7 +63,7 @@ class CompiledCluster(torch.nn.Module):
         self.calls = 0
         self.eager_faster = False     # measured on its second call (`measure`): eager ran it faster
         self.text = emitted.text      # names the measured choice kept on disk (exec/choices.py)
-        self.choice_key = None        # that choice's key, from the first call; False once decided
+        self.choice_key = None        # the stored choice's key (`recall`); False once decided
 
     def forward(self, *inputs):
         if self.eager_faster:
@@ -106,8 +106,9 @@ class CompiledCluster(torch.nn.Module):
         The decision is reported in `metrics()["speed_choices"]` and kept in the disk cache
         (exec/choices.py), where `recall` finds it in a later process."""
         from .exec import choices
+        from .exec.compiler import text_hash
 
-        key, self.choice_key = self.choice_key, False
+        key, self.choice_key = choices.choice_key(text_hash(self.text), self.device, inputs), False
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda *a: None)
 
         def timed(run):
