@@ -543,7 +543,9 @@ class Recorder:
                                       src._storage, real=o)
                 if not isinstance(src, LazyTensor) and not isinstance(src, (list, tuple)):
                     return o
-            return to_lazy(o)
+            # in pass-through a fresh result stays a plain tensor: the ops that only see plain tensors
+            # (most activations) then run in torch without entering this subclass at all
+            return o if self.passthrough else to_lazy(o)
 
         plans = info.returns
         if isinstance(out, (tuple, list)) and len(plans) == len(out) and len(plans) > 1:
