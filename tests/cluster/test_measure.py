@@ -202,3 +202,39 @@ def test_whole_steps_run_eagerly_where_that_is_measured_faster(step_choice_cpu, 
     losses, _ = _training(4, lazy=True, seed=2)      # and on: eager steps record nothing
     assert (pydisc.metrics()["steps"] == steps_compiled) == (kept == "eager")
     assert all(pydisc.is_lazy(p) for p in model.parameters())
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_pass_through_steps_train_bit_for_bit_as_eager(step_choice_cpu, foreach):
+    # the eager side of the whole-step choice: every op runs in torch at once; results that do not alias a
+    # lazy tensor are plain tensors (optimizer state created in such a step too), parameters stay lazy
+    from pydisc.frontend.lazy_tensor import RECORDER
+
+    def train(lazy):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.GELU(),
+                                    torch.nn.Linear(16, 3))
+        if lazy:
+            model = pydisc.lazy(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach)
+        g = torch.Generator().manual_seed(1)
+        outs = []
+        for _ in range(4):
+            x, y = torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g)
+            out = model(x)
+            torch.nn.functional.cross_entropy(out, y).backward()
+            opt.step()
+            opt.zero_grad()
+            outs.append(out)
+            if lazy:
+                pydisc.mark_step()
+        return model, opt, outs
+
+    eager, _, _ = train(False)
+    RECORDER.passthrough = True       # clear_plans (the fixture) turns it off again
+    lazy, opt, outs = train(True)
+    assert pydisc.metrics()["recorded_ops"] == 0
+    assert not any(pydisc.is_lazy(o) for o in outs)
+    for p, q in zip(lazy.parameters(), eager.parameters()):
+        assert pydisc.is_lazy(p) and not pydisc.is_lazy(opt.state[p]["exp_avg"])
+        assert torch.equal(p.detach().cpu(), q.detach())
