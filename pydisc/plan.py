@@ -62,13 +62,14 @@ class CompiledCluster(torch.nn.Module):
         self.prepare = _size_function(emitted, device) if emitted.dynamic else None
         self.calls = 0
         self.eager_faster = False     # measured on its second call (`measure`): eager ran it faster
-        self.text = emitted.text      # names the measured choice kept on disk (exec/choices.py)
-        self.choice_key = None        # the stored choice's key (`recall`); False once decided
+        from .exec.compiler import text_hash
+        self.digest = text_hash(emitted.text)   # names the measured choice kept on disk (exec/choices.py)
+        self.decided = False          # compiled or eager chosen, measured here or by an earlier process
 
     def forward(self, *inputs):
         if self.eager_faster:
             return self.fallback(*inputs)
-        measuring = self.choice_key is not False and CONFIG.measure in ("all", self.device.type)
+        measuring = not self.decided and CONFIG.measure in ("all", self.device.type)
         if measuring and self.calls == 0 and self.recall(inputs):
             return self.fallback(*inputs)    # eager measured faster by an earlier process
         results = self.run_compiled(inputs)
@@ -106,9 +107,9 @@ class CompiledCluster(torch.nn.Module):
         The decision is reported in `metrics()["speed_choices"]` and kept in the disk cache
         (exec/choices.py), where `recall` finds it in a later process."""
         from .exec import choices
-        from .exec.compiler import text_hash
 
-        key, self.choice_key = choices.choice_key(text_hash(self.text), self.device, inputs), False
+        self.decided = True
+        key = choices.choice_key(self.digest, self.device, inputs)
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda *a: None)
 
         def timed(run):
@@ -146,13 +147,11 @@ class CompiledCluster(torch.nn.Module):
         """On the first call: take the choice an earlier process measured for this cluster text at these
         sizes on this kind of device (exec/choices.py), if any; True when that choice is eager."""
         from .exec import choices
-        from .exec.compiler import text_hash
 
-        self.choice_key = choices.choice_key(text_hash(self.text), self.device, inputs)
-        known = choices.lookup(self.choice_key)
+        known = choices.lookup(choices.choice_key(self.digest, self.device, inputs))
         if known is None:
             return False
-        self.choice_key = False
+        self.decided = True
         keep_eager = known.get("choice") == "eager"
         METRICS.speed_choices.append("%s: IREE %.0f us, eager %.0f us -> %s (measured before)" % (
             self._what(), known.get("iree_us", 0), known.get("eager_us", 0), "eager" if keep_eager else "IREE"))

@@ -64,8 +64,7 @@ def after_mark_step(key, cached: bool, device: torch.device | None) -> None:
     if s.phase == "decided":
         return
     if s.phase == "eager":
-        s.times["eager"].append(_now(s.device) - s.last)
-        s.last = _now(s.device)
+        _sample(s, "eager", s.device)
         if len(s.times["eager"]) == WINDOW:
             _decide(s)
         return
@@ -83,11 +82,17 @@ def after_mark_step(key, cached: bool, device: torch.device | None) -> None:
             s.phase, s.device = "compiled", device
             s.last = _now(device)
         return
-    s.times["compiled"].append(_now(device) - s.last)
-    s.last = _now(device)
+    _sample(s, "compiled", device)
     if len(s.times["compiled"]) == WINDOW:
         s.phase = "eager"
         RECORDER.passthrough = True
+
+
+def _sample(s: _State, mode: str, device: torch.device) -> None:
+    """The time since the last synchronised mark_step, as a step of `mode`."""
+    now = _now(device)
+    s.times[mode].append(now - s.last)
+    s.last = now
 
 
 def _distributed() -> bool:

@@ -68,13 +68,16 @@ SLOW_ON_GPU = SERIAL_SCATTERS | {aten.max_pool2d_with_indices.default}
 
 
 def _parallel_scatter(node: torch.fx.Node) -> bool:
+    """Whether the lowering emits this scatter as a one-hot select (`lowering.indexing.one_per_row`)."""
+    from ..frontend.lowering.indexing import one_per_row
+    from ..frontend.lowering.symbolic import size_of
+
     if node.target not in (aten.scatter.src, aten.scatter.value, aten.scatter_add.default):
         return False
     x, dim, index = (a.meta.get("val") if isinstance(a, torch.fx.Node) else a for a in node.args[:3])
-    if not isinstance(x, torch.Tensor) or not isinstance(index, torch.Tensor) or index.dim() != x.dim() or not x.dim():
+    if not isinstance(x, torch.Tensor) or not isinstance(index, torch.Tensor) or not x.dim():
         return False
-    dim %= x.dim()
-    return index.shape[dim] == 1 and all(index.shape[d] == x.shape[d] for d in range(x.dim()) if d != dim)
+    return one_per_row([size_of(d) for d in x.shape], dim % x.dim(), [size_of(d) for d in index.shape])
 
 
 @dataclass

@@ -17,12 +17,12 @@ import threading
 
 import torch
 
-from .disk_cache import cache_key, configured_disk_cache
+from .disk_cache import CHOICES_FILE, cache_key, configured_disk_cache
 from .target import target_for
 
 __all__ = ["choice_key", "lookup", "store", "FILE_NAME"]
 
-FILE_NAME = "speed_choices.json"
+FILE_NAME = CHOICES_FILE
 _LOCK = threading.Lock()
 _KNOWN: dict[str, dict] = {}
 _LOADED_FROM: set[str] = set()

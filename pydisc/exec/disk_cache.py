@@ -47,6 +47,7 @@ ENTRY_SUFFIX = ".vmfb"
 # Entry layout: magic, sha256 of the payload, payload length (little endian), payload (the .vmfb bytes).
 _MAGIC = b"PYDISC\x00\x01"
 _HEADER_SIZE = len(_MAGIC) + 32 + 8
+CHOICES_FILE = "speed_choices.json"     # the measured speed choices kept next to the entries (choices.py)
 _TEMP_PREFIX = ".tmp-"
 _LOCK_PREFIX = ".lock-"
 _STALE_TEMP_SECONDS = 3600  # a temp file (or lock file) this old was left by a process that died mid-write
@@ -180,8 +181,8 @@ class DiskCache:
         for path, _, _ in entries:
             _remove_quietly(path)
         for name in os.listdir(self.directory):
-            if name.startswith((_TEMP_PREFIX, _LOCK_PREFIX)) or name == "speed_choices.json":
-                _remove_quietly(os.path.join(self.directory, name))   # and the measured choices (choices.py)
+            if name.startswith((_TEMP_PREFIX, _LOCK_PREFIX)) or name == CHOICES_FILE:
+                _remove_quietly(os.path.join(self.directory, name))
         return len(entries), sum(size for _, size, _ in entries)
 
     def check_folder(self) -> None:

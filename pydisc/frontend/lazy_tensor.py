@@ -458,8 +458,10 @@ class Recorder:
         # One lock serialises recording: autograd runs backward on its own thread per CUDA device, so
         # several threads legitimately record into one step; the lock keeps the trace consistent.
         with self.lock:
+            info = _OPINFO.get(id(func))
+            if info is None:
+                info = _opinfo(func)
             if self.passthrough and not self.trace.entries:
-                info = _OPINFO.get(id(func)) or _opinfo(func)
                 return self.run_eager(func, args, kwargs, info, fallback=False, count=False)
             if not self.trace.entries and CONFIG.gc_pause and gc.isenabled():
                 # A step allocates thousands of small objects that all live until mark_step; letting
@@ -469,9 +471,6 @@ class Recorder:
             symbolic = self.symbolic
             if symbolic is not None and len(symbolic.shape_env.guards) != symbolic.guards_seen:
                 symbolic.note_guards(user_source(3))
-            info = _OPINFO.get(id(func))
-            if info is None:
-                info = _opinfo(func)
             if info.rewrite is not None:
                 result = info.rewrite(func, args, kwargs)
                 if result is not NotImplemented:

@@ -94,15 +94,18 @@ def _foreach(func, args, kwargs):
         elem_kwargs = kwargs
         if name.startswith("addc") and len(elem_args) > 3:   # foreach passes `value` positionally
             elem_kwargs = dict(kwargs, value=elem_args.pop())
+        if not any(type(a) is LazyTensor for a in elem_args):
+            results.append(packet(*elem_args, **elem_kwargs))    # no lazy tensor: torch runs it
+            continue
+        # the element's overload (add(t, 0.5) is add.Tensor with a float), resolved once per argument
+        # types as torch's dispatcher would (dynamo's way); the element then goes to the recorder
+        # directly, without torch's dispatch into the subclass (about half the cost of recording an op)
         key = (func, tuple(type(a) for a in elem_args), tuple(elem_kwargs))
         op = _ELEMENT_OPS.get(key)
         if op is None:
-            # the first time, torch resolves the overload (add(t, 0.5) is add.Tensor with a float) and
-            # the op the recorder receives is kept; later elements go to the recorder directly, without
-            # torch's dispatch into the subclass (about half the cost of recording an op)
-            results.append(_resolving(key, packet, elem_args, elem_kwargs))
-        else:
-            results.append(RECORDER.dispatch(op, elem_args, elem_kwargs))
+            overload = torch._C._jit_resolve_packet(packet._qualified_op_name, *elem_args, **elem_kwargs)
+            op = _ELEMENT_OPS[key] = getattr(packet, overload)
+        results.append(RECORDER.dispatch(op, tuple(elem_args), elem_kwargs))
     if not func._schema.returns:
         return None
     return results
@@ -122,26 +125,6 @@ def _optimizers_take_their_foreach_path() -> None:
 
 # (foreach op, element argument types, keyword names) -> the element's OpOverload
 _ELEMENT_OPS: dict[tuple, object] = {}
-
-
-def _resolving(key, packet, args, kwargs):
-    dispatch = RECORDER.dispatch
-    seen = []
-
-    def first(func, a, kw):
-        if not seen:
-            seen.append(func)
-            RECORDER.__dict__.pop("dispatch", None)   # only the outermost call is the element op itself
-        return dispatch(func, a, kw)
-
-    RECORDER.dispatch = first      # shadows the method for this one call (recording holds the lock)
-    try:
-        result = packet(*args, **kwargs)
-    finally:
-        RECORDER.__dict__.pop("dispatch", None)
-    if seen and seen[0].overloadpacket is packet:
-        _ELEMENT_OPS[key] = seen[0]
-    return result
 
 
 def _batch_norm(func, args, kwargs):

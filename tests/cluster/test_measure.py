@@ -12,10 +12,9 @@ from pydisc.step import clear_plans
 
 
 @pytest.fixture
-def measure_cpu(monkeypatch, request):
-    monkeypatch.setattr(CONFIG, "measure", "all")
+def own_choices(monkeypatch, request):
+    """Each test its own file of measured choices in the (shared) compile cache, and fresh plans."""
     monkeypatch.setattr(CONFIG, "dynamic", False)
-    # each test its own file of measured choices in the (shared) compile cache
     monkeypatch.setattr(choices, "FILE_NAME", "speed_choices-%s.json" % request.node.name)
     choices.forget()
     clear_plans()
@@ -23,6 +22,11 @@ def measure_cpu(monkeypatch, request):
     yield
     clear_plans()
     choices.forget()
+
+
+@pytest.fixture
+def measure_cpu(monkeypatch, own_choices):
+    monkeypatch.setattr(CONFIG, "measure", "all")
 
 
 def _four_steps(device: str = "cpu") -> int:
@@ -88,15 +92,10 @@ def test_the_compiled_cluster_is_kept_when_eager_is_slower(measure_cpu, monkeypa
 
 
 @pytest.fixture
-def slow_compiled_default_measure(monkeypatch):
+def slow_compiled_default_measure(monkeypatch, own_choices):
     """The default PYDISC_MEASURE, with compiled calls made slower than eager, deterministically."""
     monkeypatch.setattr(CONFIG, "measure", "cuda")
-    monkeypatch.setattr(CONFIG, "dynamic", False)
     monkeypatch.setattr(CompiledCluster, "run_compiled", _slowed(CompiledCluster.run_compiled, 0.02))
-    clear_plans()
-    pydisc.reset_metrics()
-    yield
-    clear_plans()
 
 
 def test_the_default_measures_on_cuda_only(slow_compiled_default_measure):
@@ -166,13 +165,8 @@ def _training(steps: int, lazy: bool, seed: int = 0):
 
 
 @pytest.fixture
-def step_choice_cpu(monkeypatch):
+def step_choice_cpu(monkeypatch, own_choices):
     monkeypatch.setattr(CONFIG, "step_choice", "cpu")
-    monkeypatch.setattr(CONFIG, "dynamic", False)
-    clear_plans()
-    pydisc.reset_metrics()
-    yield
-    clear_plans()
 
 
 @pytest.mark.parametrize("slower", ["compiled", "eager"])

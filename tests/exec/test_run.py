@@ -154,9 +154,15 @@ def test_identity_and_constant_results(device):
 def test_outputs_iree_cannot_write_in_place_are_staged():
     """Without the host-allocation import, the outputs go through IREE-allocated buffers and are
     copied back."""
-    module = compile_module(_IDENTITY_CONSTANT_PRODUCT, torch.device("cpu"))
+    from pydisc.exec.module import CompiledModule
+    from pydisc.exec.session import session_for
+
+    cpu = torch.device("cpu")
+    # a module of its own: the cached one is shared with other tests
+    module = CompiledModule(compile_module(_IDENTITY_CONSTANT_PRODUCT, cpu).vmfb, session_for(cpu), name="staged")
     module._import_output = None
-    _check_identity_constant_product(module, torch.device("cpu"))
+    assert not module.staged_outputs
+    _check_identity_constant_product(module, cpu)
     assert module.staged_outputs
 
 

@@ -16,7 +16,7 @@ from pydisc.frontend.lowering.registry import LoweringContext, lowering, support
 from pydisc.frontend.lowering.shape import normalize_dim
 from pydisc.frontend.lowering.symbolic import DynamicShapeError, is_static, same_size, size_of
 
-__all__ = ["scatter"]
+__all__ = ["scatter", "one_per_row"]
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -260,12 +260,13 @@ def _updates(b: FunctionBuilder, src: Value | float, index: Value, dtype: torch.
     return b.convert(b.slice(src, [0] * src.rank, index.shape, [1] * src.rank), dtype)
 
 
-def _one_per_row(x: Value, dim: int, index: Value) -> bool:
+def one_per_row(x_shape: Sequence, dim: int, index_shape: Sequence) -> bool:
     """A scatter that writes one element per row along `dim` (nll_loss's backward): emitted as a one-hot
     select instead, a parallel elementwise op (IREE 3.13 runs a scatter that may repeat coordinates on
-    one GPU thread, and fails on some fusions of a dynamic one: 'stack allocation size overflows')."""
-    return (index.rank == x.rank and index.shape[dim] == 1
-            and all(same_size(index.shape[d], x.shape[d]) for d in range(x.rank) if d != dim))
+    one GPU thread, and fails on some fusions of a dynamic one: 'stack allocation size overflows').
+    Sizes are ints or size expressions (`size_of`); the partitioner asks too, from node metadata."""
+    return (len(index_shape) == len(x_shape) and index_shape[dim] == 1
+            and all(same_size(index_shape[d], x_shape[d]) for d in range(len(x_shape)) if d != dim))
 
 
 def _one_hot_scatter(b: FunctionBuilder, x: Value, dim: int, index: Value, updates: Value,
@@ -280,7 +281,7 @@ def _scatter_rule(ctx: LoweringContext, x: Value, dim: int, index: Value, src: V
     if x.rank == 0:
         return ctx.builder.reshape(_updates(ctx.builder, src, ctx.builder.reshape(index, (1,)), x.dtype), ())
     dim = normalize_dim(dim, x.rank)
-    if _one_per_row(x, dim, index):
+    if one_per_row(x.shape, dim, index.shape):
         return _one_hot_scatter(ctx.builder, x, dim, index, _updates(ctx.builder, src, index, x.dtype), None)
     return scatter(ctx.builder, x, dim, index, _updates(ctx.builder, src, index, x.dtype), None)
 
@@ -290,7 +291,7 @@ def _scatter_add(ctx: LoweringContext, x: Value, dim: int, index: Value, src: Va
     # bool + bool saturates to True in torch; i1 addition would wrap
     add = lambda b, u, v: b.binary("or" if x.dtype == torch.bool else "add", u, v)  # noqa: E731
     dim = normalize_dim(dim, x.rank)
-    if _one_per_row(x, dim, index):
+    if one_per_row(x.shape, dim, index.shape):
         return _one_hot_scatter(ctx.builder, x, dim, index, _updates(ctx.builder, src, index, x.dtype), add)
     return scatter(ctx.builder, x, dim, index, _updates(ctx.builder, src, index, x.dtype), add)
 
