@@ -7,8 +7,10 @@ repeats (the same plan, taken from the cache, `WARM` times in a row: its cluster
 own measured choices made), the time from one `mark_step()` to the next is measured for `WINDOW`
 steps compiled, then for `WINDOW` steps with the recorder in pass-through (every op runs in torch at
 once, `Recorder.passthrough`), each step synchronised. If eager was faster, pass-through stays on for
-the rest of the process: warned once, in `metrics()["step_choice"]` and the report. Otherwise the
-compiled steps resume.
+the rest of the process: warned once, in `metrics()["step_choice"]` and the report, and the live lazy
+tensors are released (`frontend/release.py`: each becomes, in place, a plain tensor of its data), so
+that the ops of later steps run in torch without entering pydisc at all. Otherwise the compiled steps
+resume.
 
 `PYDISC_STEP_CHOICE`: `cuda` (default: steps on a GPU), `cpu`, `all` or `off`. Not in a
 torch.distributed process group (each rank would decide alone).
@@ -23,6 +25,7 @@ import torch
 from .config import CONFIG
 from .diagnostics import warn_once
 from .frontend.lazy_tensor import RECORDER
+from .frontend.release import release_all
 from .metrics import METRICS
 
 __all__ = ["after_mark_step", "reset"]
@@ -49,6 +52,7 @@ def reset() -> None:
     global _STATE
     _STATE = _State()
     RECORDER.passthrough = False
+    RECORDER.released = False
 
 
 def _now(device: torch.device) -> float:
@@ -108,6 +112,10 @@ def _decide(s: _State) -> None:
     RECORDER.passthrough = keep_eager
     METRICS.step_choice = "compiled %.2f ms, eager %.2f ms per step -> %s" % (
         1e3 * compiled, 1e3 * eager, "eager" if keep_eager else "compiled")
+    if keep_eager:
+        released, kept = release_all()
+        RECORDER.released = True
+        METRICS.step_choice += " (%d lazy tensors released to plain, %d kept lazy)" % (released, kept)
     if keep_eager:
         warn_once("step-choice",
                   "pydisc: steps ran faster eagerly (%.2f ms) than recorded and compiled (%.2f ms); from now on "

@@ -325,6 +325,8 @@ class Recorder:
         # Every op runs at once in torch, nothing is recorded: a step measured faster eagerly than
         # compiled (pydisc/step_choice.py), or the eager half of that measurement.
         self.passthrough = False
+        # ... and the live lazy tensors were made plain (frontend/release.py): inputs stay plain too
+        self.released = False
 
     def new_trace(self) -> Trace:
         """A fresh pending trace. Within a step (after a read ran everything recorded so far) the

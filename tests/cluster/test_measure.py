@@ -1,4 +1,5 @@
 """Measured choice between a compiled cluster and its ops run eagerly (PYDISC_MEASURE)."""
+import gc
 import time
 
 import pytest
@@ -190,10 +191,13 @@ def test_whole_steps_run_eagerly_where_that_is_measured_faster(step_choice_cpu, 
     torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
     m = pydisc.metrics()
     kept = "eager" if slower == "compiled" else "compiled"
-    assert m["step_choice"].endswith("-> " + kept), m["step_choice"]
+    assert "-> " + kept in m["step_choice"], m["step_choice"]
     assert "whole steps" in pydisc.metrics_report()
     steps_compiled = m["steps"]
-    losses, _ = _training(4, lazy=True, seed=2)      # and on: eager steps record nothing
+    # kept eager: the model's lazy tensors were released (made plain in place); a model made lazy later
+    # is lazy, its ops pass through
+    assert all(pydisc.is_lazy(p) == (kept == "compiled") for p in model.parameters())
+    losses, model = _training(4, lazy=True, seed=2)      # and on: eager steps record nothing
     assert (pydisc.metrics()["steps"] == steps_compiled) == (kept == "eager")
     assert all(pydisc.is_lazy(p) for p in model.parameters())
 
@@ -232,3 +236,45 @@ def test_pass_through_steps_train_bit_for_bit_as_eager(step_choice_cpu, foreach)
     for p, q in zip(lazy.parameters(), eager.parameters()):
         assert pydisc.is_lazy(p) and not pydisc.is_lazy(opt.state[p]["exp_avg"])
         assert torch.equal(p.detach().cpu(), q.detach())
+
+
+def test_release_makes_lazy_tensors_plain_in_place(step_choice_cpu):
+    # after eager is kept, every live lazy tensor becomes a plain tensor, the same Python object: modules,
+    # optimizers (state keyed by parameter) and the user's references see it, gradients and attributes
+    # stay on it, and training goes on as eager without entering pydisc
+    from pydisc.frontend.lazy_tensor import LazyTensor, RECORDER
+    from pydisc.frontend.release import release_all
+
+    def train(lazy, steps, release_at=None):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.GELU(),
+                                    torch.nn.Linear(16, 3))
+        if lazy:
+            model = pydisc.lazy(model)
+        model[0].weight.tag = "mine"
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(1)
+        for k in range(steps):
+            x, y = torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g)
+            opt.zero_grad(set_to_none=False)       # gradients live across the release
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            if lazy:
+                pydisc.mark_step()
+            if k == release_at:
+                before = list(model.parameters())
+                RECORDER.passthrough = True
+                released, kept = release_all()
+                RECORDER.released = True
+                assert released >= 2 * len(before) and [id(p) for p in model.parameters()] == list(map(id, before))
+        return model, opt
+
+    eager, _ = train(False, 6)
+    model, opt = train(True, 6, release_at=2)
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert type(p) is torch.nn.Parameter and type(p.grad) is torch.Tensor
+        assert all(type(v) is torch.Tensor for v in opt.state[p].values())
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)       # 3 steps were compiled
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    assert model[0].weight.tag == "mine"
+    assert not any(type(o) is LazyTensor for o in gc.get_objects())

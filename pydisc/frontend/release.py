@@ -1,0 +1,76 @@
+"""Releasing lazy tensors: each live lazy tensor becomes, in place, the plain tensor of its device data.
+
+Once the whole-step choice (pydisc/step_choice.py) has kept eager execution for the rest of the
+process, the recorder's pass-through still routes every op that touches a lazy tensor (parameters,
+buffers, optimizer state: most of a training step's ops) through the Python wrapper, 15-30 µs each.
+Releasing removes that: `torch.utils.swap_tensors` (what torch's own module conversion uses under
+`torch.__future__.set_swap_module_params_on_conversion`) gives each lazy tensor object the class and
+the data of a plain alias of its device data, keeping the object's identity. Modules, optimizers and
+the user's own references hold the same objects as before, now plain tensors, and the step runs in
+torch exactly as it would without pydisc.
+
+A tensor that cannot be swapped (something else holds its C++ tensor or a weak reference to it, it
+has autograd hooks or history, a value of it is still pending) stays lazy; pass-through keeps it
+correct, only not free. `release_all` says how many were released and how many stayed.
+"""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import torch
+
+from .lazy_tensor import RECORDER, LazyTensor
+
+__all__ = ["release_all"]
+
+# the wrapper's own attributes (lazy_tensor.LazyTensor, and Parameter's marker for a subclass)
+_INTERNAL = frozenset(("_storage", "_mk", "_real", "_vid", "_epoch", "_fake", "_fake_sid", "_concrete",
+                       "_is_param"))
+
+
+def _releasable(t: LazyTensor) -> bool:
+    return (RECORDER.is_clean(t) and t.grad_fn is None and not weakref.getweakrefs(t)
+            and t._backward_hooks is None and getattr(t, "_post_accumulate_grad_hooks", None) is None)
+
+
+def _plain(t: LazyTensor) -> torch.Tensor:
+    real = t._real.detach()      # a fresh alias of the device data: nothing else holds its C++ tensor
+    if isinstance(t, torch.nn.Parameter):
+        plain = torch.nn.Parameter(real, requires_grad=t.requires_grad)
+    else:
+        plain = real.requires_grad_(t.requires_grad)
+    for name, value in t.__dict__.items():      # the user's own attributes go with the object
+        if name not in _INTERNAL:
+            setattr(plain, name, value)
+    return plain
+
+
+def release_all() -> tuple[int, int]:
+    """Swap every live, materialized lazy tensor for a plain one in place. Call with nothing pending
+    (right after a mark_step). Returns (released, kept lazy)."""
+    with RECORDER.lock:
+        if RECORDER.trace.entries:
+            raise RuntimeError("pydisc: release_all() with ops pending; call pydisc.mark_step() first")
+        lazies = [o for o in gc.get_objects() if type(o) is LazyTensor]   # (no __class__ lookups)
+        # A gradient is held by its parameter's C++ tensor: detach them while swapping, put them back after.
+        grads = {}
+        for t in lazies:
+            g = t._grad
+            if g is not None:
+                grads[id(t)] = (t, g)
+                t.grad = None
+        released = kept = 0
+        for t in lazies:
+            if not _releasable(t):
+                kept += 1
+                continue
+            try:
+                torch.utils.swap_tensors(t, _plain(t))
+            except RuntimeError:        # held elsewhere: its checks run before anything is swapped
+                kept += 1
+            else:
+                released += 1
+        for t, g in grads.values():
+            t.grad = g
+        return released, kept
