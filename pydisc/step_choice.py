@@ -3,8 +3,8 @@
 A lazy step pays for recording every op (tens of µs each in Python) before anything runs; where the
 compiled clusters do not win that back (small models, host-bound steps; on the H200 every training
 workload of bench/workloads.py so far), running the ops at once in torch is faster. Once a step graph
-repeats (the same plan, taken from the cache, `WARM` times in a row: its clusters are loaded and their
-own measured choices made), the time from one `mark_step()` to the next is measured for `WINDOW`
+repeats (plans taken from the cache `WARM` times in a row: their clusters are loaded and their own
+measured choices made), the time from one `mark_step()` to the next is measured for `WINDOW`
 steps compiled, then for `WINDOW` steps with the recorder in pass-through (every op runs in torch at
 once, `Recorder.passthrough`), each step synchronised. If eager was faster, pass-through stays on for
 the rest of the process: warned once, in `metrics()["step_choice"]` and the report, and the live lazy
@@ -37,8 +37,7 @@ WINDOW = 3      # steps timed in each mode
 class _State:
     def __init__(self) -> None:
         self.phase = "idle"        # idle -> compiled -> eager -> decided
-        self.key = None            # the plan being measured
-        self.streak = 0            # cached runs of `key` in a row
+        self.streak = 0            # cached runs in a row
         self.device: torch.device | None = None
         self.last = 0.0            # time of the last synchronised mark_step
         self.times: dict[str, list[float]] = {"compiled": [], "eager": []}
@@ -74,12 +73,11 @@ def after_mark_step(key, cached: bool, device: torch.device | None) -> None:
         return
     if key is None or not cached or device is None or CONFIG.step_choice not in ("all", device.type) or \
             _distributed():
-        s.phase, s.streak, s.key = "idle", 0, None
+        s.phase, s.streak = "idle", 0
         s.times["compiled"].clear()
         return
-    if key != s.key:
-        s.phase, s.key, s.streak = "idle", key, 0
-        s.times["compiled"].clear()
+    # Steps whose plans come from the cache, in a row: not necessarily one plan (a plan per sequence
+    # length, steps that alternate between two graphs); a step that plans and compiles starts over.
     s.streak += 1
     if s.phase == "idle":
         if s.streak >= WARM:
