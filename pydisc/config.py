@@ -41,6 +41,9 @@ class Config:
     # once a step graph repeats, time a few steps compiled and a few run eagerly op by op, and keep the
     # faster for the rest of the process (pydisc/step_choice.py): "cuda" (default), "cpu", "all", "off"
     step_choice: str = _env("PYDISC_STEP_CHOICE", "cuda")
+    # a new step graph is compiled the Nth time it is recorded; until then it runs eagerly (a graph seen
+    # once, like an optimizer's first step that creates its state, is never compiled). 1: at once
+    compile_after: int = max(1, int(_env("PYDISC_COMPILE_AFTER", "2")))
     # the torch-mlir route: ops with no StableHLO rule are compiled through torch-mlir's FX importer
     # (frontend/torch_mlir.py) instead of running eagerly, where it can
     torch_mlir: bool = _env("PYDISC_TORCH_MLIR", "1") != "0"

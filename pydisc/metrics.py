@@ -47,6 +47,7 @@ class Metrics:
     dynamic_templates: int = 0        # steps recorded with symbolic sizes and planned as templates
     dynamic_matches: int = 0          # new step structures served by a template (no compile)
     dynamic_eager_steps: int = 0      # steps run eagerly because an input dim changed size
+    steps_before_compile: int = 0     # steps run eagerly because their graph was new (PYDISC_COMPILE_AFTER)
     numerics_checks: int = 0
     numerics_mismatches: list = field(default_factory=list)
     clusters_eager_faster: int = 0    # compiled clusters that run eagerly because eager was measured faster

@@ -54,8 +54,10 @@ def metrics_report(top: int = 10) -> str:
     if m.dynamic_templates or m.dynamic_eager_steps:
         lines.append("  dynamic shapes       %d templates, %d step structures matched to one, %d steps run "
                      "eagerly while switching" % (m.dynamic_templates, m.dynamic_matches, m.dynamic_eager_steps))
-    lines.append("  step graphs compiled %d; plan lookup %.1f us/step" % (
-        m.plans_compiled, 1e6 * m.lookup_seconds / max(1, m.steps)))
+    lines.append("  step graphs compiled %d; plan lookup %.1f us/step%s" % (
+        m.plans_compiled, 1e6 * m.lookup_seconds / max(1, m.steps),
+        "; %d steps ran eagerly as new graphs (PYDISC_COMPILE_AFTER)" % m.steps_before_compile
+        if m.steps_before_compile else ""))
     if m.recompiles:
         lines.append("  recompiles           %d" % len(m.recompiles))
         for reason in m.recompiles[-3:]:

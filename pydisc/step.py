@@ -30,11 +30,13 @@ __all__ = ["run_pending", "prune_pending", "clear_plans"]
 
 _PLANS: dict[tuple, StepPlan] = {}
 _SEEN_OPS: dict[tuple, tuple] = {}   # op sequence -> last structural key planned for it (recompile explainer)
+_SIGHTINGS: Counter = Counter()      # structural key -> steps that ran it eagerly before it is compiled
 
 
 def clear_plans() -> None:
     _PLANS.clear()
     _SEEN_OPS.clear()
+    _SIGHTINGS.clear()
     dynamic.clear()
     step_choice.reset()
     RECORDER.capture_sources = True     # the next step plans: its ops' source lines are wanted
@@ -345,9 +347,10 @@ def _concrete_key(trace: Trace, executed: list[int], outputs: tuple) -> tuple:
 
 def _plan_concrete(trace: Trace, key: tuple, executed: list[int], outputs: tuple, inputs: list,
                    device: torch.device, remaining: list[int]):
-    """A plan for a step structure seen for the first time: a dynamic template that matches it, or a
-    new plan. None when the step ran eagerly because a dim of an input changed size (the next step
-    records a dynamic-shape template instead of compiling for this one shape)."""
+    """A plan for a step structure not planned before: a dynamic template that matches it, or a new
+    plan. None when the step ran eagerly: a dim of an input changed size (the next step records a
+    dynamic-shape template instead of compiling for this one shape), or the structure is new
+    (`PYDISC_COMPILE_AFTER`)."""
     ops = tuple(sig[0] for sig in key[3])
     if CONFIG.dynamic and dynamic.DYNAMIC.templates:
         for template in dynamic.DYNAMIC.templates:
@@ -391,7 +394,17 @@ def _plan_concrete(trace: Trace, key: tuple, executed: list[int], outputs: tuple
                 " (the last template tried: %s)" % why if why else "",
                 " and the next one is recorded as a new template" if dynamic.DYNAMIC.force_symbolic else ""))
             return None
-    if seen is not None:
+    if _SIGHTINGS[key] + 1 < CONFIG.compile_after:
+        # a graph seen for the first time runs eagerly; it is compiled when it comes back
+        _SIGHTINGS[key] += 1
+        _SEEN_OPS[ops] = (key, shapes)
+        METRICS.steps += 1
+        METRICS.steps_before_compile += 1
+        log("recompiles", "a new step graph runs eagerly; it is compiled if it comes back")
+        _bind(trace, outputs, program(*inputs), executed, remaining)
+        return None
+    _SIGHTINGS.pop(key, None)
+    if seen is not None and seen != key:
         # the same ops as a graph planned before: say what else changed
         reason = explain_recompile(seen, key, sources)
         if "eager input" in reason and CONFIG.dynamic:

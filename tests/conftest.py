@@ -20,13 +20,17 @@ def pytest_configure(config: pytest.Config) -> None:
 def _no_measured_choice() -> None:
     """Tests compare compiled clusters with eager and count executions; a cluster that the measured
     choice (PYDISC_MEASURE, on CUDA by default) sends to eager, or whole steps the step choice
-    (PYDISC_STEP_CHOICE) runs eagerly, would make them compare eager with eager.
+    (PYDISC_STEP_CHOICE) runs eagerly, or a new graph's first run left eager (PYDISC_COMPILE_AFTER), would
+    make them compare eager with eager.
     tests/cluster/test_measure.py turns them on where they are the subject."""
     from pydisc.config import CONFIG
 
     if "PYDISC_MEASURE" not in os.environ:
         os.environ["PYDISC_MEASURE"] = "off"
         CONFIG.measure = "off"
+    if "PYDISC_COMPILE_AFTER" not in os.environ:     # a new graph compiles at once: tests check its first run
+        os.environ["PYDISC_COMPILE_AFTER"] = "1"
+        CONFIG.compile_after = 1
     if "PYDISC_STEP_CHOICE" not in os.environ:
         os.environ["PYDISC_STEP_CHOICE"] = "off"
         CONFIG.step_choice = "off"

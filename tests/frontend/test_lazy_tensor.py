@@ -251,3 +251,43 @@ def test_resize_in_place_same_size_view_or_clear_error():
     pydisc.mark_step()
     torch.testing.assert_close(z.cpu(), (torch.arange(12.0) * 2).view(3, 4) + 1)
     assert y.cpu().shape == (3, 4)
+
+
+def test_a_new_graph_runs_eagerly_and_compiles_when_it_comes_back(monkeypatch):
+    # PYDISC_COMPILE_AFTER=2 (the default outside this suite): the first step of SGD with momentum
+    # (it creates the momentum buffers) is a graph seen once: it runs eagerly and is never compiled;
+    # the steady step runs eagerly once, compiles on its second run and is taken from the cache after
+    from pydisc.config import CONFIG
+    from pydisc.step import clear_plans
+
+    monkeypatch.setattr(CONFIG, "compile_after", 2)
+    clear_plans()
+
+    def train(lazy_mode):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        if lazy_mode:
+            model = pydisc.lazy(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for k in range(5):
+            loss = model(torch.randn(4, 6, generator=g)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+            if lazy_mode:
+                pydisc.mark_step()
+                m = pydisc.metrics()
+                assert (m["steps_before_compile"], m["plans_compiled"]) == [(1, 0), (2, 0), (2, 1), (2, 1),
+                                                                              (2, 1)][k]
+        return torch.stack([loss.cpu() for loss in losses]), [p.detach().cpu() for p in model.parameters()]
+
+    expected_losses, expected_params = train(False)
+    pydisc.reset_metrics()
+    losses, params = train(True)
+    torch.testing.assert_close(losses, expected_losses, rtol=1e-5, atol=1e-6)
+    for p, q in zip(params, expected_params):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert pydisc.metrics()["graph_cache_hits"] == 2 and not pydisc.metrics()["recompiles"]
