@@ -4,10 +4,12 @@ A lazy step pays for recording every op (tens of µs each in Python) before anyt
 compiled clusters do not win that back (small models, host-bound steps; on the H200 every training
 workload of bench/workloads.py so far), running the ops at once in torch is faster. Once a step graph
 repeats (plans taken from the cache `WARM` times in a row: their clusters are loaded and their own
-measured choices made), the time from one `mark_step()` to the next is measured for `WINDOW`
-steps compiled, then for `WINDOW` steps with the recorder in pass-through (every op runs in torch at
-once, `Recorder.passthrough`), each step synchronised. If eager was faster, pass-through stays on for
-the rest of the process: warned once, in `metrics()["step_choice"]` and the report, and the live lazy
+measured choices made), windows of `WINDOW` steps are timed, `ROUNDS` per mode, taking turns:
+compiled, then with the recorder in pass-through (every op runs in torch at once,
+`Recorder.passthrough`), and again. Each window is timed as a whole, synchronised at its ends only,
+as a training loop runs: a step's recording overlaps the device's work on the step before, in both
+modes. The fastest window of each mode counts. If eager was faster, pass-through stays on for the
+rest of the process: warned once, in `metrics()["step_choice"]` and the report, and the live lazy
 tensors are released (`frontend/release.py`: each becomes, in place, a plain tensor of its data), so
 that the ops of later steps run in torch without entering pydisc at all. Otherwise the compiled steps
 resume.
@@ -17,7 +19,6 @@ torch.distributed process group (each rank would decide alone).
 """
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
@@ -30,17 +31,19 @@ from .metrics import METRICS
 
 __all__ = ["after_mark_step", "reset"]
 
-WARM = 3        # cached runs of one plan in a row before measuring
-WINDOW = 3      # steps timed in each mode
+WARM = 3        # cached runs in a row before measuring
+WINDOW = 4      # steps per timed window
+ROUNDS = 2      # windows per mode, taking turns: compiled, eager, compiled, eager
 
 
 class _State:
     def __init__(self) -> None:
-        self.phase = "idle"        # idle -> compiled -> eager -> decided
+        self.phase = "idle"        # idle -> compiled <-> eager -> decided
         self.streak = 0            # cached runs in a row
         self.device: torch.device | None = None
-        self.last = 0.0            # time of the last synchronised mark_step
-        self.times: dict[str, list[float]] = {"compiled": [], "eager": []}
+        self.started = 0.0         # when the window being timed started (synchronised)
+        self.steps = 0             # steps of that window so far
+        self.times: dict[str, list[float]] = {"compiled": [], "eager": []}   # seconds per step, per window
 
 
 _STATE = _State()
@@ -67,34 +70,44 @@ def after_mark_step(key, cached: bool, device: torch.device | None) -> None:
     if s.phase == "decided":
         return
     if s.phase == "eager":
-        _sample(s, "eager", s.device)
-        if len(s.times["eager"]) == WINDOW:
-            _decide(s)
+        if _window_done(s, "eager"):
+            if len(s.times["eager"]) == ROUNDS:
+                _decide(s)
+            else:
+                s.phase = "compiled"
+                RECORDER.passthrough = False
         return
     if key is None or not cached or device is None or CONFIG.step_choice not in ("all", device.type) or \
             _distributed():
-        s.phase, s.streak = "idle", 0
-        s.times["compiled"].clear()
+        # a step that planned and compiled, or one not measurable
+        if s.times["eager"]:
+            _decide(s)          # (back from eager, the step graph changed): decide on the windows timed
+        else:
+            s.phase, s.streak = "idle", 0
+            s.times["compiled"].clear()
         return
     # Steps whose plans come from the cache, in a row: not necessarily one plan (a plan per sequence
-    # length, steps that alternate between two graphs); a step that plans and compiles starts over.
+    # length, steps that alternate between two graphs).
     s.streak += 1
     if s.phase == "idle":
         if s.streak >= WARM:
-            s.phase, s.device = "compiled", device
-            s.last = _now(device)
+            s.phase, s.device, s.steps = "compiled", device, 0
+            s.started = _now(device)
         return
-    _sample(s, "compiled", device)
-    if len(s.times["compiled"]) == WINDOW:
+    if _window_done(s, "compiled"):
         s.phase = "eager"
         RECORDER.passthrough = True
 
 
-def _sample(s: _State, mode: str, device: torch.device) -> None:
-    """The time since the last synchronised mark_step, as a step of `mode`."""
-    now = _now(device)
-    s.times[mode].append(now - s.last)
-    s.last = now
+def _window_done(s: _State, mode: str) -> bool:
+    """Count a step of `mode`; at the end of its window, its time per step (and the next window starts)."""
+    s.steps += 1
+    if s.steps < WINDOW:
+        return False
+    now = _now(s.device)
+    s.times[mode].append((now - s.started) / WINDOW)
+    s.started, s.steps = now, 0
+    return True
 
 
 def _distributed() -> bool:
@@ -104,7 +117,8 @@ def _distributed() -> bool:
 
 
 def _decide(s: _State) -> None:
-    compiled, eager = statistics.median(s.times["compiled"]), statistics.median(s.times["eager"])
+    # the fastest window of each mode: another process's load only ever slows a window down
+    compiled, eager = min(s.times["compiled"]), min(s.times["eager"])
     keep_eager = eager < compiled
     s.phase = "decided"
     RECORDER.passthrough = keep_eager
@@ -114,7 +128,6 @@ def _decide(s: _State) -> None:
         released, kept = release_all()
         RECORDER.released = True
         METRICS.step_choice += " (%d lazy tensors released to plain, %d kept lazy)" % (released, kept)
-    if keep_eager:
         warn_once("step-choice",
                   "pydisc: steps ran faster eagerly (%.2f ms) than recorded and compiled (%.2f ms); from now on "
                   "every op runs in torch at once, nothing is compiled (PYDISC_STEP_CHOICE=off keeps "
