@@ -22,7 +22,7 @@ from .report import metrics_report
 from .step import run_pending
 
 __all__ = ["lazy", "mark_step", "mark_dynamic", "is_lazy", "to_lazy", "metrics", "reset_metrics", "metrics_report",
-           "LazyTensor", "PydiscWarning", "StrictModeError", "__version__"]
+           "LazyTensor", "PydiscWarning", "StrictModeError", "wait_for_compiles", "__version__"]
 __version__ = "0.1.0"
 
 install_rewrites()
@@ -45,6 +45,17 @@ def mark_step() -> None:
     data and the recorded graph is dropped. A no-op when nothing is pending."""
     METRICS.mark_steps += 1
     run_pending(None, "mark_step")
+
+
+def wait_for_compiles() -> None:
+    """Block until the step plans being built in the background (`PYDISC_BACKGROUND_COMPILE`, on CUDA
+    by default) are ready; the next step then records and runs compiled. Returns at once if none are."""
+    from .background import collect, join
+    from .frontend.lazy_tensor import RECORDER
+
+    join()      # without the recorder's lock: planning may take it
+    with RECORDER.lock:
+        collect()
 
 
 def to_lazy(t):

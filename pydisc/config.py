@@ -44,6 +44,9 @@ class Config:
     # a new step graph is compiled the Nth time it is recorded; until then it runs eagerly (a graph seen
     # once, like an optimizer's first step that creates its state, is never compiled). 1: at once
     compile_after: int = max(1, int(_env("PYDISC_COMPILE_AFTER", "2")))
+    # a new step graph's plan is built in a thread while the steps run eagerly (pydisc/background.py):
+    # "cuda" (default), "cpu", "all" or "off"
+    background_compile: str = _env("PYDISC_BACKGROUND_COMPILE", "cuda")
     # the torch-mlir route: ops with no StableHLO rule are compiled through torch-mlir's FX importer
     # (frontend/torch_mlir.py) instead of running eagerly, where it can
     torch_mlir: bool = _env("PYDISC_TORCH_MLIR", "1") != "0"

@@ -120,6 +120,7 @@ class Template:
     fakes: list | None = None        # fake inputs to plan with, until the plan is built
     sources: list | None = None
     steps: int = 0
+    building: bool = False           # its plan is being built in the background (pydisc/background.py)
 
 
 @dataclass

@@ -48,6 +48,9 @@ class Metrics:
     dynamic_matches: int = 0          # new step structures served by a template (no compile)
     dynamic_eager_steps: int = 0      # steps run eagerly because an input dim changed size
     steps_before_compile: int = 0     # steps run eagerly because their graph was new (PYDISC_COMPILE_AFTER)
+    background_compiles: int = 0      # plans built in a thread while steps ran eagerly (PYDISC_BACKGROUND_COMPILE)
+    background_seconds: float = 0.0   # ... their time from start to ready
+    steps_while_compiling: int = 0    # mark_steps that ran eagerly while a plan was being built
     numerics_checks: int = 0
     numerics_mismatches: list = field(default_factory=list)
     clusters_eager_faster: int = 0    # compiled clusters that run eagerly because eager was measured faster

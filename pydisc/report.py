@@ -44,6 +44,9 @@ def metrics_report(top: int = 10) -> str:
         lines.append("  in torch by choice   %d (%s): matmuls and convolutions (PYDISC_GPU_MATMUL=iree compiles "
                      "them too), scatters and max pooling, slow in IREE's GPU code" % (
             sum(m.library_ops.values()), ", ".join("%s x%d" % kv for kv in m.library_ops.most_common(4))))
+    if m.background_compiles:
+        lines.append("  built in background  %d plans, %.1f s; %d steps ran eagerly meanwhile" % (
+            m.background_compiles, m.background_seconds, m.steps_while_compiling))
     if m.step_choice:
         lines.append("  whole steps          %s" % m.step_choice)
     if m.speed_choices:

@@ -18,7 +18,7 @@ from .config import CONFIG
 from .diagnostics import explain_recompile, log, warn_once
 from .frontend.lazy_tensor import (PRUNE_FIRST_AT, RECORDER, LazyTensor, _flat_base, _layout, _view_of_base,
                                    set_executor)
-from . import dynamic, optimizer_state, step_choice
+from . import background, dynamic, optimizer_state, step_choice
 from .dynamic import Binding
 from .frontend.replay import NotDynamic, Program, concrete_program, program_from_trace, symbolic_program
 from .frontend.trace import LazyStorage, Trace
@@ -34,6 +34,7 @@ _SIGHTINGS: Counter = Counter()      # structural key -> steps that ran it eager
 
 
 def clear_plans() -> None:
+    background.reset()
     _PLANS.clear()
     _SEEN_OPS.clear()
     _SIGHTINGS.clear()
@@ -165,6 +166,8 @@ def run_pending(target: LazyTensor | None = None, reason: str = "mark_step") -> 
     step (and optimizers their eager step counters, `optimizer_state`), results of the abandoned one can
     no longer be read, and the next step starts clean."""
     with RECORDER.lock:
+        if background.pending():
+            background.collect()
         trace = RECORDER.trace
         ran = (None, False, None)
         try:
@@ -182,6 +185,7 @@ def run_pending(target: LazyTensor | None = None, reason: str = "mark_step") -> 
         if reason == "mark_step" or not RECORDER.trace.entries:    # nothing left that could be abandoned
             optimizer_state.completed()
         if reason == "mark_step" and target is None:
+            background.note_step()
             step_choice.after_mark_step(*ran)
 
 
@@ -230,11 +234,25 @@ def _run(trace: Trace, target: LazyTensor | None) -> tuple:
             RECORDER.capture_sources = CONFIG.strict
         if type(plan) is Binding:
             binding = plan
-            if binding.template.plan is None and not _build_template(binding, device):
-                # this step's sizes break a guard that planning added: eagerly, this once
-                plan = StepPlan(program_from_trace(trace, executed, outputs))
-                binding = None
-                _PLANS.pop(key, None)
+            if binding.template.plan is None:
+                if background.enabled(device):
+                    # built in a thread (once); this step and the ones until it is ready run eagerly
+                    ready = False
+                    if not binding.template.building:
+                        program = program_from_trace(trace, executed, outputs)
+                        results = program(*inputs)
+                        _start_template(binding.template, device)
+                        METRICS.steps += 1
+                        _bind(trace, outputs, results, executed, remaining)
+                        return None, False, device
+                elif not _build_template(binding, device):
+                    ready = False
+                    _PLANS.pop(key, None)   # this step's sizes break a guard that planning added
+                else:
+                    ready = True
+                if not ready:   # eagerly, this once
+                    plan = StepPlan(program_from_trace(trace, executed, outputs))
+                    binding = None
             if binding is not None:
                 call_inputs, perm = binding.inputs(trace, scalars), binding.perm
                 binding.template.steps += 1
@@ -414,6 +432,13 @@ def _plan_concrete(trace: Trace, key: tuple, executed: list[int], outputs: tuple
         log("recompiles", "planning again: %s", reason)
     _SEEN_OPS[ops] = (key, shapes)
     METRICS.graph_cache_misses += 1
+    if background.enabled(device):
+        # this step runs eagerly now, its plan is built in a thread (pydisc/background.py)
+        METRICS.steps += 1
+        _bind(trace, outputs, program(*inputs), executed, remaining)
+        background.start(program, inputs, device, sources, lambda plan: _plan_ready(key, plan),
+                         lambda exc: _plan_failed(key, program, exc))
+        return None
     try:
         plan = build_plan(program, inputs, device, sources)
         METRICS.plans_compiled += 1
@@ -479,6 +504,42 @@ def _plan_symbolic(trace: Trace, executed: list[int], outputs: tuple, inputs: li
     # The template is compiled when a later step matches it: the first steps of a training loop
     # often differ (an optimizer creates its state), and a template used once is not worth a compile.
     return StepPlan(program), call_inputs, None
+
+
+def _plan_ready(key: tuple, plan: StepPlan) -> None:
+    METRICS.plans_compiled += 1
+    _PLANS[key] = plan
+    RECORDER.capture_sources = True
+
+
+def _plan_failed(key: tuple, program: Program, exc: BaseException) -> None:
+    warn_once("background:" + type(exc).__name__,
+              "pydisc: building a step's plan in the background failed (%s: %s); this graph runs eagerly "
+              "from now on" % (type(exc).__name__, exc))
+    METRICS.compile_failures["background:" + type(exc).__name__] += 1
+    _PLANS[key] = StepPlan(program, Counter(str(e[0]) for e in program.entries))
+
+
+def _start_template(template, device: torch.device) -> None:
+    """Build a template's plan in a thread; when it is ready, the bindings matched meanwhile are checked
+    against the guards that tracing added (those that break one are matched again)."""
+    template.building = True
+    METRICS.graph_cache_misses += 1
+
+    def done(plan: StepPlan) -> None:
+        template.plan, template.building = plan, False
+        METRICS.plans_compiled += 1
+        template.guards = template.session.guards()
+        template.fakes = None
+        for k, b in list(_PLANS.items()):
+            if type(b) is Binding and b.template is template and not dynamic.guards_hold(template, b.sizes):
+                del _PLANS[k]
+
+    def failed(exc: BaseException) -> None:
+        template.building = False
+        raise exc
+
+    background.start(template.program, template.fakes, device, template.sources, done, failed)
 
 
 def _build_template(binding, device: torch.device) -> bool:

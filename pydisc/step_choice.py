@@ -29,7 +29,7 @@ from .frontend.lazy_tensor import RECORDER
 from .frontend.release import release_all
 from .metrics import METRICS
 
-__all__ = ["after_mark_step", "reset"]
+__all__ = ["after_mark_step", "holds_passthrough", "reset"]
 
 WARM = 3        # cached runs in a row before measuring
 WINDOW = 4      # steps per timed window
@@ -55,6 +55,11 @@ def reset() -> None:
     _STATE = _State()
     RECORDER.passthrough = False
     RECORDER.released = False
+
+
+def holds_passthrough() -> bool:
+    """Whether pass-through is this module's: an eager window, or eager kept."""
+    return _STATE.phase == "eager" or RECORDER.released
 
 
 def _now(device: torch.device) -> float:

@@ -31,6 +31,9 @@ def _no_measured_choice() -> None:
     if "PYDISC_COMPILE_AFTER" not in os.environ:     # a new graph compiles at once: tests check its first run
         os.environ["PYDISC_COMPILE_AFTER"] = "1"
         CONFIG.compile_after = 1
+    if "PYDISC_BACKGROUND_COMPILE" not in os.environ:   # plans built before the step runs: tests count them
+        os.environ["PYDISC_BACKGROUND_COMPILE"] = "off"
+        CONFIG.background_compile = "off"
     if "PYDISC_STEP_CHOICE" not in os.environ:
         os.environ["PYDISC_STEP_CHOICE"] = "off"
         CONFIG.step_choice = "off"

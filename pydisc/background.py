@@ -1,0 +1,111 @@
+"""Compiling in the background: a new step graph's plan is built in a thread while the steps run eagerly.
+
+A new step graph of a 12-layer model takes tens of seconds to partition, emit and compile (92 distinct
+IREE modules for BERT-base, 33-60 s on the H200 host with 8 compile processes). With
+`PYDISC_BACKGROUND_COMPILE` on for the step's device (default: `cuda`), `mark_step()` does not wait for
+that: the step that asked for the plan runs eagerly (its recorded ops, in torch), the plan is built
+in a thread (`plan.build_plan`: tracing with fake tensors, partitioning, the iree-compile processes,
+loading), and until it is ready the recorder is in pass-through: every op of the following steps runs
+in torch at once, nothing is recorded. The first `mark_step()` (or value read) after the plan is
+ready puts it where the synchronous path would have (the plan cache, or the dynamic-shape template)
+and turns recording back on; the next step records and runs compiled.
+
+So no step waits for a compile, and a training loop whose sizes change (each new size, or the first
+steps of an optimizer) runs at about eager speed until its plans exist. `pydisc.wait_for_compiles()`
+blocks until the plans being built are ready (benchmarks, tests). A plan that fails to build: a step
+graph's runs eagerly from then on (warned once), a template's error is raised at the next
+`mark_step()`, as it would have been synchronously.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+import torch
+
+from . import step_choice
+from .config import CONFIG
+from .frontend.lazy_tensor import RECORDER
+from .metrics import METRICS
+from .plan import build_plan
+
+__all__ = ["enabled", "start", "collect", "join", "pending", "note_step", "reset"]
+
+
+class _Job:
+    def __init__(self, program, inputs: list, device: torch.device, sources: list,
+                 done: Callable, failed: Callable) -> None:
+        self.done, self.failed = done, failed
+        self.result: list = []
+        self.started = time.perf_counter()
+        self.thread = threading.Thread(target=self._work, args=(program, inputs, device, sources),
+                                       name="pydisc-background-plan", daemon=True)
+
+    def _work(self, program, inputs, device, sources) -> None:
+        try:
+            self.result.append(build_plan(program, inputs, device, sources))
+        except BaseException as exc:    # handed to the main thread by `collect`
+            self.result.append(exc)
+
+
+_JOBS: list[_Job] = []
+
+
+def enabled(device: torch.device) -> bool:
+    return CONFIG.background_compile in ("all", device.type)
+
+
+def pending() -> bool:
+    return bool(_JOBS)
+
+
+def start(program, inputs: list, device: torch.device, sources: list, done: Callable,
+          failed: Callable) -> None:
+    """Build `program`'s plan in a thread; `done(plan)` or `failed(exc)` run on the main thread when it is
+    ready (`collect`). Steps pass through meanwhile. Call after the step that asked has run."""
+    job = _Job(program, inputs, device, sources, done, failed)
+    _JOBS.append(job)
+    METRICS.background_compiles += 1
+    RECORDER.passthrough = True
+    job.thread.start()
+
+
+def collect() -> None:
+    """Apply the plans that are ready. Main thread, recorder lock held."""
+    failure = None
+    for job in list(_JOBS):
+        if job.thread.is_alive():
+            continue
+        _JOBS.remove(job)
+        METRICS.background_seconds += time.perf_counter() - job.started
+        result = job.result[0]
+        if isinstance(result, BaseException):
+            try:
+                job.failed(result)
+            except BaseException as exc:     # raised once every finished job has been applied
+                failure = failure or exc
+        else:
+            job.done(result)
+    if not _JOBS and RECORDER.passthrough and not step_choice.holds_passthrough():
+        RECORDER.passthrough = False
+    if failure is not None:
+        raise failure
+
+
+def join() -> None:
+    """Wait for the plans being built (not applied: `collect` does that)."""
+    for job in list(_JOBS):
+        job.thread.join()
+
+
+def note_step() -> None:
+    """At each mark_step: count the steps run eagerly while plans were being built."""
+    if _JOBS:
+        METRICS.steps_while_compiling += 1
+
+
+def reset() -> None:
+    """Wait for the plans being built and drop them (`pydisc.step.clear_plans`)."""
+    join()
+    _JOBS.clear()

@@ -1,0 +1,97 @@
+"""Plans built in the background (PYDISC_BACKGROUND_COMPILE) while the steps run eagerly, against eager."""
+import threading
+
+import pytest
+import torch
+
+import pydisc
+from pydisc import background
+from pydisc.config import CONFIG
+from pydisc.step import clear_plans
+
+
+@pytest.fixture
+def gated(monkeypatch):
+    """Background builds on the CPU, held until the test opens the gate."""
+    monkeypatch.setattr(CONFIG, "background_compile", "all")
+    monkeypatch.setattr(CONFIG, "compile_after", 2)
+    gate = threading.Event()
+    build = background.build_plan
+
+    def held(*args):
+        assert gate.wait(60)
+        return build(*args)
+
+    monkeypatch.setattr(background, "build_plan", held)
+    clear_plans()
+    pydisc.reset_metrics()
+    yield gate
+    gate.set()
+    clear_plans()
+
+
+def _train(lazy: bool, steps: int, gate=None, open_at=None, sizes=(5,), device="cpu"):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).to(device)
+    if lazy:
+        model = pydisc.lazy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    losses, seen = [], []
+    for k in range(steps):
+        x = torch.randn(sizes[k % len(sizes)], 6, generator=g).to(device)
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+        if lazy:
+            pydisc.mark_step()
+            if k == open_at:
+                gate.set()
+                pydisc.wait_for_compiles()
+            seen.append((pydisc.metrics()["recorded_ops"], pydisc.metrics()["executions"]))
+    return torch.stack([v.cpu() for v in losses]), [p.detach().cpu() for p in model.parameters()], seen
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_steps_run_eagerly_while_the_plan_is_built(gated, device):
+    expected, params, _ = _train(False, 10, device=device)
+    losses, lazy_params, seen = _train(True, 10, gated, open_at=5, device=device)
+    torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
+    for p, q in zip(lazy_params, params):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    m = pydisc.metrics()
+    # steps 0 and 1 are new graphs (eager), step 2 starts the build and runs eagerly, 3-5 pass through
+    # (nothing recorded) until the plan is ready; 6-9 record and run compiled
+    assert m["steps_before_compile"] == 2 and m["background_compiles"] == 1 and m["plans_compiled"] == 1
+    assert m["steps_while_compiling"] == 4
+    assert seen[3][0] == seen[5][0] == seen[2][0], seen        # passed through: nothing recorded
+    assert seen[5][1] == 0 < seen[6][1] < seen[9][1], seen     # compiled from step 6 on
+    assert m["graph_cache_hits"] == 4
+
+
+def test_a_dynamic_template_is_built_in_the_background(gated):
+    sizes = (5, 7, 3, 6, 4)
+    expected, params, _ = _train(False, 12, sizes=sizes)
+    losses, lazy_params, seen = _train(True, 12, gated, open_at=6, sizes=sizes)
+    torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
+    for p, q in zip(lazy_params, params):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    m = pydisc.metrics()
+    assert m["dynamic_templates"] == 1 and m["background_compiles"] == 1 and m["plans_compiled"] == 1, m
+    assert seen[6][1] == 0 < seen[11][1], seen       # the template ran compiled once it was ready
+
+
+def test_a_plan_that_fails_to_build_leaves_its_graph_eager(gated, monkeypatch):
+    def broken(*args):
+        raise RuntimeError("injected planning failure")
+
+    monkeypatch.setattr(background, "build_plan", broken)
+    expected, params, _ = _train(False, 8)
+    with pytest.warns(pydisc.PydiscWarning, match="injected planning failure"):
+        losses, lazy_params, seen = _train(True, 8, gated, open_at=3)
+    torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
+    for p, q in zip(lazy_params, params):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert pydisc.metrics()["executions"] == 0 and pydisc.metrics()["compile_failures"]
