@@ -1,4 +1,5 @@
 """Plans built in the background (PYDISC_BACKGROUND_COMPILE) while the steps run eagerly, against eager."""
+import sys
 import threading
 
 import pytest
@@ -72,6 +73,7 @@ def test_steps_run_eagerly_while_the_plan_is_built(gated, device):
 
 
 def test_a_dynamic_template_is_built_in_the_background(gated):
+    switch_interval = sys.getswitchinterval()
     sizes = (5, 7, 3, 6, 4)
     expected, params, _ = _train(False, 12, sizes=sizes)
     losses, lazy_params, seen = _train(True, 12, gated, open_at=6, sizes=sizes)
@@ -81,6 +83,7 @@ def test_a_dynamic_template_is_built_in_the_background(gated):
     m = pydisc.metrics()
     assert m["dynamic_templates"] == 1 and m["background_compiles"] == 1 and m["plans_compiled"] == 1, m
     assert seen[6][1] == 0 < seen[11][1], seen       # the template ran compiled once it was ready
+    assert sys.getswitchinterval() == switch_interval   # the process's own, put back
 
 
 def test_a_plan_that_fails_to_build_leaves_its_graph_eager(gated, monkeypatch):
