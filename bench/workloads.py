@@ -387,6 +387,7 @@ def run_one(name: str, args) -> dict:
     row["direct_launch_fallbacks"] = sum(met["direct_launch_fallbacks"].values())
     row["speed_choices"] = warm_choices + met["speed_choices"]
     row["step choice"] = met["step_choice"] or row.get("step choice", "")
+    row["steps while compiling"] = met["steps_while_compiling"]
     row["fallback ops"] = dict(sorted(met["fallback_ops"].items(), key=lambda kv: -kv[1])[:5])
     if w.bytes_moved is not None:
         moved = w.bytes_moved(batches[0])
@@ -416,8 +417,10 @@ def table(rows: list[dict]) -> str:
         if r["name"] == "bert_varlen":
             first = "(included: %d steps)" % r["steps"]
         ratio = (lambda a, b: "%.2f" % (a / b) if a and b else "-")
-        # steps run eagerly by the step choice record (almost) nothing: their time per op is not recording
-        record = "-" if "-> eager" in r.get("step choice", "") else "%.1f" % r["record us/op"]
+        # steps run eagerly (kept so by the step choice, or while plans were built in the background)
+        # record (almost) nothing: their time per op is not recording
+        eager_steps = "-> eager" in r.get("step choice", "") or r.get("steps while compiling")
+        record = "-" if eager_steps else "%.1f" % r["record us/op"]
         out.append("| %s | %s | %s | %s | %s | %s | %s | %.1f | %.1f (%.1f) | %s | %d (%d) |" % (
             r["title"], _ms(e), _ms(c), _ms(p), ratio(p, e), ratio(p, c), first, r["clusters/step"], r["eager/step"],
             r["fallbacks/step"], record, r["compiles"], r["disk cache hits"]))
