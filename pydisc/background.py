@@ -62,7 +62,9 @@ _saved_interval: list[float] = []
 
 
 def enabled(device: torch.device) -> bool:
-    return CONFIG.background_compile in ("all", device.type)
+    """On for `device`, and not in a torch.distributed process group: ranks whose plans became ready at
+    different steps would run the same step, and its collectives, in different modes."""
+    return CONFIG.background_compile in ("all", device.type) and not step_choice.distributed()
 
 
 def pending() -> bool:

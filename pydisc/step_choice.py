@@ -29,7 +29,7 @@ from .frontend.lazy_tensor import RECORDER
 from .frontend.release import release_all
 from .metrics import METRICS
 
-__all__ = ["after_mark_step", "holds_passthrough", "reset"]
+__all__ = ["after_mark_step", "distributed", "holds_passthrough", "reset"]
 
 WARM = 3        # cached runs in a row before measuring
 WINDOW = 4      # steps per timed window
@@ -83,7 +83,7 @@ def after_mark_step(key, cached: bool, device: torch.device | None) -> None:
                 RECORDER.passthrough = False
         return
     if key is None or not cached or device is None or CONFIG.step_choice not in ("all", device.type) or \
-            _distributed():
+            distributed():
         # a step that planned and compiled, or one not measurable
         if s.times["eager"]:
             _decide(s)          # (back from eager, the step graph changed): decide on the windows timed
@@ -115,7 +115,7 @@ def _window_done(s: _State, mode: str) -> bool:
     return True
 
 
-def _distributed() -> bool:
+def distributed() -> bool:
     """Ranks would time and decide each on its own, and could end up in different modes: not measured
     in a process group."""
     return torch.distributed.is_available() and torch.distributed.is_initialized()
