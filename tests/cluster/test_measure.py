@@ -278,3 +278,42 @@ def test_release_makes_lazy_tensors_plain_in_place(step_choice_cpu):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
     assert model[0].weight.tag == "mine"
     assert not any(type(o) is LazyTensor for o in gc.get_objects())
+
+
+def test_step_choice_windows_take_turns_and_the_fastest_counts(step_choice_cpu, monkeypatch):
+    # driven directly: 3 cached steps, then windows of 4 steps, compiled / eager / compiled / eager, each
+    # timed at its ends; the fastest window of each mode decides. A step that plans after an eager
+    # window ends the measurement with the windows timed so far.
+    from pydisc import step_choice
+    from pydisc.frontend.lazy_tensor import RECORDER
+
+    clock = [0.0]
+    monkeypatch.setattr(step_choice, "_now", lambda device: clock[0])
+    monkeypatch.setattr(step_choice, "release_all", lambda: (0, 0))
+    cpu = torch.device("cpu")
+
+    def run(per_step: list, *, then_plan: bool = False) -> str:
+        step_choice.reset()
+        pydisc.reset_metrics()
+        modes = []
+        for k in range(3):
+            step_choice.after_mark_step(("plan",), True, cpu)
+        for seconds in per_step:
+            mode = "eager" if RECORDER.passthrough else "compiled"
+            modes.append(mode)
+            clock[0] += seconds[mode]
+            step_choice.after_mark_step(None if RECORDER.passthrough else ("plan",), True, cpu)
+        if then_plan:
+            step_choice.after_mark_step(("other",), False, cpu)
+        assert modes[:8] == ["compiled"] * 4 + ["eager"] * 4
+        return pydisc.metrics()["step_choice"]
+
+    # eager slower in its first window only (a load spike): its second window decides
+    steps = [{"compiled": 0.010, "eager": 0.030}] * 8 + [{"compiled": 0.010, "eager": 0.005}] * 8
+    assert run(steps).startswith("compiled 10.00 ms, eager 5.00 ms per step -> eager")
+    assert RECORDER.passthrough
+    steps = [{"compiled": 0.010, "eager": 0.012}] * 16
+    assert run(steps) == "compiled 10.00 ms, eager 12.00 ms per step -> compiled"
+    assert not RECORDER.passthrough
+    # back from the first eager window, the next step plans: decided on one window each
+    assert "-> eager" in run([{"compiled": 0.020, "eager": 0.010}] * 8, then_plan=True)
