@@ -55,8 +55,10 @@ _JOBS: list[_Job] = []
 # the main thread share the GIL. A thread that waits for it gets it after the switch interval (5 ms by
 # default), and a step's torch ops give it up and take it back many times: on the H200 host, steps
 # that take 36 ms eagerly took 400-900 ms while BERT-base's plan was traced. A shorter interval while
-# jobs run cuts those waits (2-core VM, a loop of small torch ops next to a Python thread: 3.7x slower
-# than alone at 5 ms, 1.7x at 0.2 ms); the process's own interval is put back when they are done.
+# jobs run cuts those waits, in part (2-core VM: a loop of small torch ops next to a Python thread, 3.7x
+# slower than alone at 5 ms, 1.7x at 0.2 ms; a tiny BERT's steps while its template was planned, median
+# 253-328 ms at 0.2 ms against 316-824 ms at 5 ms, 28-40 ms eager); the process's own interval is put
+# back when they are done. Planning in another process would remove the contention.
 SWITCH_INTERVAL = 0.0002
 _saved_interval: list[float] = []
 
