@@ -13,7 +13,7 @@ from pydisc.step import clear_plans
 
 @pytest.fixture
 def gated(monkeypatch):
-    """Background builds on the CPU, held until the test opens the gate."""
+    """Plans built in the background (on any device), held until the test opens the gate."""
     monkeypatch.setattr(CONFIG, "background_compile", "all")
     monkeypatch.setattr(CONFIG, "compile_after", 2)
     gate = threading.Event()
