@@ -39,8 +39,8 @@ class Config:
     # it is >10% faster (plan.CompiledCluster.measure): "cuda" (default), "cpu", "all" or "off"
     measure: str = _env("PYDISC_MEASURE", "cuda")
     # once a step graph repeats, time a few steps compiled and a few run eagerly op by op, and keep the
-    # faster for the rest of the process (pydisc/step_choice.py): "cuda" (default), "cpu", "all", "off"
-    step_choice: str = _env("PYDISC_STEP_CHOICE", "cuda")
+    # faster for the rest of the process (pydisc/step_choice.py): "all" (default), "cuda", "cpu", "off"
+    step_choice: str = _env("PYDISC_STEP_CHOICE", "all")
     # a new step graph is compiled the Nth time it is recorded; until then it runs eagerly (a graph seen
     # once, like an optimizer's first step that creates its state, is never compiled). 1: at once
     compile_after: int = max(1, int(_env("PYDISC_COMPILE_AFTER", "2")))

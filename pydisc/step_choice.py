@@ -14,7 +14,7 @@ tensors are released (`frontend/release.py`: each becomes, in place, a plain ten
 that the ops of later steps run in torch without entering pydisc at all. Otherwise the compiled steps
 resume.
 
-`PYDISC_STEP_CHOICE`: `cuda` (default: steps on a GPU), `cpu`, `all` or `off`. Not in a
+`PYDISC_STEP_CHOICE`: `all` (default), `cuda`, `cpu` or `off`. Not in a
 torch.distributed process group (each rank would decide alone).
 """
 from __future__ import annotations
