@@ -55,13 +55,18 @@ def _train(lazy: bool, steps: int, gate=None, open_at=None, sizes=(5,), device="
     return torch.stack([v.cpu() for v in losses]), [p.detach().cpu() for p in model.parameters()], seen
 
 
+def _assert_same(got, expected):
+    """Losses and final parameters of a pydisc run against eager's."""
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-6)
+    for p, q in zip(got[1], expected[1]):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_steps_run_eagerly_while_the_plan_is_built(gated, device):
     expected, params, _ = _train(False, 10, device=device)
     losses, lazy_params, seen = _train(True, 10, gated, open_at=5, device=device)
-    torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
-    for p, q in zip(lazy_params, params):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    _assert_same((losses, lazy_params), (expected, params))
     m = pydisc.metrics()
     # steps 0 and 1 are new graphs (eager), step 2 starts the build and runs eagerly, 3-5 pass through
     # (nothing recorded) until the plan is ready; 6-9 record and run compiled
@@ -77,9 +82,7 @@ def test_a_dynamic_template_is_built_in_the_background(gated):
     sizes = (5, 7, 3, 6, 4)
     expected, params, _ = _train(False, 12, sizes=sizes)
     losses, lazy_params, seen = _train(True, 12, gated, open_at=6, sizes=sizes)
-    torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
-    for p, q in zip(lazy_params, params):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    _assert_same((losses, lazy_params), (expected, params))
     m = pydisc.metrics()
     assert m["dynamic_templates"] == 1 and m["background_compiles"] == 1 and m["plans_compiled"] == 1, m
     assert seen[6][1] == 0 < seen[11][1], seen       # the template ran compiled once it was ready
@@ -94,7 +97,5 @@ def test_a_plan_that_fails_to_build_leaves_its_graph_eager(gated, monkeypatch):
     expected, params, _ = _train(False, 8)
     with pytest.warns(pydisc.PydiscWarning, match="injected planning failure"):
         losses, lazy_params, seen = _train(True, 8, gated, open_at=3)
-    torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
-    for p, q in zip(lazy_params, params):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    _assert_same((losses, lazy_params), (expected, params))
     assert pydisc.metrics()["executions"] == 0 and pydisc.metrics()["compile_failures"]
