@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 from .frontend.lazy_tensor import RECORDER, LazyTensor, to_lazy
 
@@ -16,7 +17,7 @@ def _default_device(module: torch.nn.Module) -> torch.device:
 
 def _lazy_input(x, device: torch.device):
     if RECORDER.released:       # steps run eagerly from now on (pydisc/step_choice.py)
-        return _moved(x, device)
+        return tree_map_only(torch.Tensor, lambda t: t.to(device), x)
     if isinstance(x, torch.Tensor) and not isinstance(x, LazyTensor):
         dynamic = getattr(x, "_pydisc_dynamic", None)    # pydisc.mark_dynamic
         x = x.to(device)
@@ -32,16 +33,6 @@ def _lazy_input(x, device: torch.device):
         return type(x)(_lazy_input(v, device) for v in x)
     if isinstance(x, dict):
         return {k: _lazy_input(v, device) for k, v in x.items()}
-    return x
-
-
-def _moved(x, device: torch.device):
-    if isinstance(x, torch.Tensor):
-        return x.to(device)
-    if isinstance(x, (list, tuple)):
-        return type(x)(_moved(v, device) for v in x)
-    if isinstance(x, dict):
-        return {k: _moved(v, device) for k, v in x.items()}
     return x
 
 

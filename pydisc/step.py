@@ -236,23 +236,19 @@ def _run(trace: Trace, target: LazyTensor | None) -> tuple:
             binding = plan
             if binding.template.plan is None:
                 if background.enabled(device):
-                    # built in a thread (once); this step and the ones until it is ready run eagerly
-                    ready = False
+                    # built in a thread (once, after this step); until it is ready, steps run eagerly
                     if not binding.template.building:
-                        program = program_from_trace(trace, executed, outputs)
-                        results = program(*inputs)
-                        _start_template(binding.template, device)
                         METRICS.steps += 1
-                        _bind(trace, outputs, results, executed, remaining)
+                        _bind(trace, outputs, program_from_trace(trace, executed, outputs)(*inputs), executed,
+                              remaining)
+                        _start_template(binding.template, device)
                         return None, False, device
-                elif not _build_template(binding, device):
-                    ready = False
-                    _PLANS.pop(key, None)   # this step's sizes break a guard that planning added
-                else:
-                    ready = True
-                if not ready:   # eagerly, this once
-                    plan = StepPlan(program_from_trace(trace, executed, outputs))
                     binding = None
+                elif not _build_template(binding, device):
+                    _PLANS.pop(key, None)   # this step's sizes break a guard that planning added
+                    binding = None
+                if binding is None:   # eagerly, this once
+                    plan = StepPlan(program_from_trace(trace, executed, outputs))
             if binding is not None:
                 call_inputs, perm = binding.inputs(trace, scalars), binding.perm
                 binding.template.steps += 1
@@ -385,13 +381,17 @@ def _plan_concrete(trace: Trace, key: tuple, executed: list[int], outputs: tuple
     shapes = list(RECORDER.input_shapes)
     program = program_from_trace(trace, executed, outputs)
 
+    def run_now() -> None:
+        """This step runs its recorded ops in torch and binds their results."""
+        METRICS.steps += 1
+        _bind(trace, outputs, program(*inputs), executed, remaining)
+
     def run_eagerly(reason: str) -> None:
         METRICS.recompiles.append(reason)
         log("recompiles", "%s", reason)
         _SEEN_OPS[ops] = (key, shapes)
-        METRICS.steps += 1
         METRICS.dynamic_eager_steps += 1
-        _bind(trace, outputs, program(*inputs), executed, remaining)
+        run_now()
 
     if CONFIG.dynamic:
         changed = dynamic.changed_dims(seen_shapes, shapes, trace) if seen is not None else {}
@@ -416,10 +416,9 @@ def _plan_concrete(trace: Trace, key: tuple, executed: list[int], outputs: tuple
         # a graph seen for the first time runs eagerly; it is compiled when it comes back
         _SIGHTINGS[key] += 1
         _SEEN_OPS[ops] = (key, shapes)
-        METRICS.steps += 1
         METRICS.steps_before_compile += 1
         log("recompiles", "a new step graph runs eagerly; it is compiled if it comes back")
-        _bind(trace, outputs, program(*inputs), executed, remaining)
+        run_now()
         return None
     _SIGHTINGS.pop(key, None)
     if seen is not None and seen != key:
@@ -434,8 +433,7 @@ def _plan_concrete(trace: Trace, key: tuple, executed: list[int], outputs: tuple
     METRICS.graph_cache_misses += 1
     if background.enabled(device):
         # this step runs eagerly now, its plan is built in a thread (pydisc/background.py)
-        METRICS.steps += 1
-        _bind(trace, outputs, program(*inputs), executed, remaining)
+        run_now()
         background.start(program, inputs, device, sources, lambda plan: _plan_ready(key, plan),
                          lambda exc: _plan_failed(key, program, exc))
         return None
