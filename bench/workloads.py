@@ -292,6 +292,63 @@ def _copy_bandwidth(device) -> float:
     return 20 * 2 * x.numel() * 4 / (time.perf_counter() - t)
 
 
+def _profile(m: Mode, batches: list, steps: int, path: Path) -> dict:
+    """`steps` steps of `m` under torch.profiler: the GPU kernels by total time, written to `path`.
+    IREE's kernels are named `<module>_dispatch_<n>_<kind>_<shape>`; the rest are torch's."""
+    from torch.profiler import ProfilerActivity, profile
+    for k in range(2):
+        m.step(batches[k % len(batches)])
+    _sync(m.device)
+    trace = str(path) + ".trace.json"
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for k in range(steps):
+            m.step(batches[k % len(batches)])
+        _sync(m.device)
+        wall = (time.perf_counter() - t) / steps
+    prof.export_chrome_trace(trace)
+    events = json.load(open(trace))["traceEvents"]
+    os.remove(trace)
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels)
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:     # the union of the kernels' intervals: time the GPU was doing something
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    by_name: dict[str, list] = {}
+    for e in kernels:
+        by_name.setdefault(e["name"], []).append(e["dur"])
+    iree = sum(sum(d) for n, d in by_name.items() if "_dispatch_" in n)
+    total = sum(sum(d) for d in by_name.values())
+    summary = {"wall ms": 1e3 * wall, "gpu busy ms": busy / 1e3 / steps, "kernels": len(kernels) / steps,
+               "iree ms": iree / 1e3 / steps, "torch ms": (total - iree) / 1e3 / steps}
+    lines = ["%s %s: %d steps, per step: wall %.2f ms, GPU busy %.2f ms, %d kernels, IREE %.2f ms, torch %.2f ms"
+             % (m.w.name, m.name, steps, summary["wall ms"], summary["gpu busy ms"], summary["kernels"],
+                summary["iree ms"], summary["torch ms"]), "",
+             "| kernel | calls/step | us each | ms/step | share |", "| --- | ---: | ---: | ---: | ---: |"]
+    for name, durs in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:40]:
+        lines.append("| %s | %.1f | %.1f | %.3f | %.1f%% |" % (name[:110], len(durs) / steps, sum(durs) / len(durs),
+                                                           sum(durs) / 1e3 / steps, 100 * sum(durs) / total))
+    path.write_text("\n".join(lines) + "\n")
+    # where the host's time goes (Python functions, cumulative and own time)
+    import cProfile
+    import io
+    import pstats
+    host = cProfile.Profile()
+    host.enable()
+    for k in range(steps):
+        m.step(batches[k % len(batches)])
+    _sync(m.device)
+    host.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(host, stream=text)
+    stats.sort_stats("cumulative").print_stats(45)
+    stats.sort_stats("tottime").print_stats(30)
+    Path(str(path)[: -len(".md")] + ".host.txt").write_text(text.getvalue())
+    return summary
+
+
 def _progress(line: str) -> None:
     """A line on stderr, so that a run cut by --timeout still says how far it got (kept in the .log)."""
     print(line, file=sys.stderr, flush=True)
@@ -389,6 +446,12 @@ def run_one(name: str, args) -> dict:
     row["step choice"] = met["step_choice"] or row.get("step choice", "")
     row["steps while compiling"] = met["steps_while_compiling"]
     row["fallback ops"] = dict(sorted(met["fallback_ops"].items(), key=lambda kv: -kv[1])[:5])
+    if args.profile:
+        # after the timing: the profiler's own cost stays out of the table
+        os.makedirs(args.profile, exist_ok=True)
+        for m in live:
+            row["profile " + m.name] = _profile(m, batches, args.profile_steps,
+                                                Path(args.profile) / ("%s.%s.md" % (name, m.name)))
     if w.bytes_moved is not None:
         moved = w.bytes_moved(batches[0])
         row["GB/s"] = {m.name: moved / row[m.name] / 1e9 for m in live}
@@ -466,6 +529,10 @@ def main(argv=None) -> int:
                    "to run (the table reads '-' for the others)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per workload")
     p.add_argument("--json", default="", help="append each row as a JSON line to this file")
+    p.add_argument("--profile", default="", help="after timing, profile each mode's steps (torch.profiler) and "
+                   "write its GPU kernels by time to this folder (with PYDISC_STEP_CHOICE=off, pydisc's compiled "
+                   "steps, not the eager ones a measured choice may keep)")
+    p.add_argument("--profile-steps", type=int, default=3)
     p.add_argument("--render", default="", help="print the table of the JSON lines in this file, run nothing")
     p.add_argument("--one", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -50,6 +50,9 @@ class Config:
     # the torch-mlir route: ops with no StableHLO rule are compiled through torch-mlir's FX importer
     # (frontend/torch_mlir.py) instead of running eagerly, where it can
     torch_mlir: bool = _env("PYDISC_TORCH_MLIR", "1") != "0"
+    # extra iree-compile flags for every cluster (space-separated, shell quoting), appended to the
+    # target's own; part of the compile cache key (bench/kernel_sweep.py times variants of them)
+    iree_flags: str = _env("PYDISC_IREE_FLAGS")
 
 
 CONFIG = Config()

@@ -4,7 +4,8 @@ All target knowledge lives here, so a change of flags or driver is made in one p
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import shlex
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -63,8 +64,23 @@ CUDA_DIRECT_TARGET = Target(
 
 
 def target_for(device: torch.device | str) -> Target:
-    """The target that compiles code for tensors living on `device`."""
-    device = torch.device(device)
+    """The target that compiles code for tensors living on `device`, with PYDISC_IREE_FLAGS appended."""
+    target = _base_target(torch.device(device))
+    if CONFIG.iree_flags:
+        try:
+            extra = tuple(shlex.split(CONFIG.iree_flags))
+        except ValueError as e:
+            raise ValueError("PYDISC_IREE_FLAGS=%r: %s; give iree-compile flags separated by spaces, e.g. "
+                             "'--iree-opt-level=O3'" % (CONFIG.iree_flags, e)) from None
+        bad = [f for f in extra if not f.startswith("--")]
+        if bad:
+            raise ValueError("PYDISC_IREE_FLAGS: %s is not an iree-compile flag (each starts with --), e.g. "
+                             "'--iree-opt-level=O3'" % " ".join(bad))
+        target = replace(target, flags=target.flags + extra)
+    return target
+
+
+def _base_target(device: torch.device) -> Target:
     if device.type == "cpu":
         return CPU_TARGET
     if device.type == "cuda":

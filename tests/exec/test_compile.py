@@ -65,3 +65,27 @@ def test_missing_main():
     text = ADD.format(op="add").replace("@main", "@other")
     with pytest.raises(CompileError, match="@main"):
         compile_module(text, "cpu")
+
+
+def test_extra_iree_flags(metrics, monkeypatch):
+    """PYDISC_IREE_FLAGS reach iree-compile and are part of the cache key: the same text compiles again,
+    and runs to the same values."""
+    from pydisc.exec import target_for
+    text = ADD.format(op="add") + "\n// flags test\n"
+    a, b = torch.arange(4.0), torch.full((4,), 2.5)
+    out = torch.empty(4)
+    compile_module(text, "cpu").run([a, b], [out])
+    assert torch.equal(out, a + b)
+    monkeypatch.setattr(CONFIG, "iree_flags", "--iree-opt-level=O1")
+    assert target_for("cpu").flags[-1] == "--iree-opt-level=O1"
+    out2 = torch.empty(4)
+    compile_module(text, "cpu").run([a, b], [out2])
+    assert metrics.compiles == 2
+    assert torch.equal(out2, a + b)
+
+    monkeypatch.setattr(CONFIG, "iree_flags", "--iree-no-such-flag=1")
+    with pytest.raises(CompileError, match="no-such-flag"):
+        compile_module(text, "cpu")
+    monkeypatch.setattr(CONFIG, "iree_flags", "O3")
+    with pytest.raises(ValueError, match="each starts with --"):
+        target_for("cpu")
