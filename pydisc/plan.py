@@ -371,7 +371,7 @@ def _eager_plan(program: Program, sources: list[str | None]) -> StepPlan:
 
 def _build(program: Program, inputs: list[torch.Tensor], device: torch.device,
            sources: list[str | None]) -> StepPlan:
-    from .frontend.decompositions import DECOMPOSITIONS
+    from .frontend.decompositions import decompositions_for
 
     started = time.perf_counter()
     step_id = METRICS.graph_cache_misses
@@ -382,7 +382,7 @@ def _build(program: Program, inputs: list[torch.Tensor], device: torch.device,
         _dump("step%d_flags.txt" % step_id, "target %s, runtime driver %s\n%s\n" % (
             target.name, target.driver, " ".join(target.flags)))
     try:
-        gm = functional_graph(program, inputs, DECOMPOSITIONS)
+        gm = functional_graph(program, inputs, decompositions_for(device))
     except Exception as exc:  # an op that torch's functionalization or fake tensors cannot trace
         warn_once("trace:" + type(exc).__name__ + str(exc)[:80],
                   "pydisc: could not build a functional graph for this step (%s: %s); the step runs "
@@ -390,6 +390,12 @@ def _build(program: Program, inputs: list[torch.Tensor], device: torch.device,
         return _eager_plan(program, sources)
     METRICS.plan_seconds += time.perf_counter() - started
     return plan_graph(gm, device, sources, step_id)
+
+
+def _share_scalars(device: torch.device) -> bool:
+    """Whether clusters read the step's lifted scalars behind one barrier (emit.emit_cluster): not on
+    CUDA, where each scalar read that way is a buffer copy launched with the module."""
+    return device.type != "cuda"
 
 
 def plan_graph(gm: torch.fx.GraphModule, device: torch.device, sources: list[str | None],
@@ -453,6 +459,7 @@ def plan_graph(gm: torch.fx.GraphModule, device: torch.device, sources: list[str
     for reason_op, reason in sorted(part.reasons.items()):
         summary.append("  not compiled: %s (%s)" % (reason_op, reason))
     compile_started = time.perf_counter()
+    share_scalars = _share_scalars(device)
 
     def compile_into(parent: torch.fx.GraphModule, name: str, k: int, total: int) -> None:
         sub = getattr(parent, name)
@@ -464,7 +471,7 @@ def plan_graph(gm: torch.fx.GraphModule, device: torch.device, sources: list[str
         try:
             emitted = emitted_ahead.pop(name, None) if parent is fused else None
             if emitted is None:
-                emitted = emit_cluster(sub)
+                emitted = emit_cluster(sub, share_scalars=share_scalars)
             _dump("step%d_%s.mlir" % (step_id, name), emitted.text)
             compiled = compile_module(emitted.text, device)
         except Exception as exc:
@@ -555,7 +562,7 @@ def plan_graph(gm: torch.fx.GraphModule, device: torch.device, sources: list[str
     if len(part.clusters) > 1 and CONFIG.compile_jobs > 1:
         for name in part.clusters:
             try:
-                emitted_ahead[name] = emit_cluster(getattr(fused, name))
+                emitted_ahead[name] = emit_cluster(getattr(fused, name), share_scalars=share_scalars)
             except Exception:  # noqa: BLE001 - reported by compile_into
                 pass
 

@@ -48,6 +48,8 @@ _FREE_OPS = {operator.getitem, aten.view.default, aten._unsafe_view.default, ate
              aten.t.default, aten.transpose.int, aten.select.int, aten.slice.Tensor}
 
 
+_TRANSPOSES = {aten.permute.default, aten.transpose.int, aten.t.default}
+
 # Ops that torch's libraries run several times faster than IREE's CUDA code (cuBLAS matmuls at
 # 715-794 TFLOP/s against IREE's 104-137 in bf16, ../shared/device/README.md): on a GPU they stay
 # between the clusters, which fuse the memory-bound ops around them.
@@ -99,11 +101,8 @@ class _Support(OperatorSupportBase):
     def is_node_supported(self, submodules, node: torch.fx.Node) -> bool:
         if node.op != "call_function":
             return False
-        if self.device.type == "cuda" and node.target in LIBRARY_OPS and CONFIG.gpu_matmul != "iree":
-            node.meta["pydisc_library"] = True   # cuBLAS/cuDNN through torch: by choice, not a fallback
-            return False
-        if self.device.type == "cuda" and node.target in SLOW_ON_GPU and not _parallel_scatter(node):
-            node.meta["pydisc_library"] = True   # torch's kernels, by choice
+        if self.library(node) or self._transposes_for_library(node):
+            node.meta["pydisc_library"] = True   # torch's kernels (cuBLAS, cuDNN), by choice, not a fallback
             return False
         reason = self.reason_of(node)
         if reason is not None and is_host_scalar(node):
@@ -114,6 +113,24 @@ class _Support(OperatorSupportBase):
             self.reasons.setdefault(_op_name(node), reason)
             return False
         return True
+
+
+    def library(self, node: torch.fx.Node) -> bool:
+        """Whether `node` runs in torch's libraries by choice on this device (matmuls, convolutions,
+        scatters whose coordinates may repeat, max pooling)."""
+        if node.op != "call_function" or self.device.type != "cuda":
+            return False
+        if node.target in LIBRARY_OPS:
+            return CONFIG.gpu_matmul != "iree"
+        return node.target in SLOW_ON_GPU and not _parallel_scatter(node)
+
+    def _transposes_for_library(self, node: torch.fx.Node) -> bool:
+        """A transpose that only library ops read. In torch it is a view, which cuBLAS reads with a
+        transposed layout at no cost; inside a cluster it becomes an output that IREE writes transposed
+        (a GPT-2 training step had 62 of them: the activations of every weight gradient, the attention
+        probabilities, the 50257x16384 logits' input, up to 1.6 GB each)."""
+        return (node.target in _TRANSPOSES and bool(node.users)
+                and all(self.library(user) for user in node.users))
 
 
 def _device_reason(node: torch.fx.Node, device: torch.device) -> str | None:

@@ -12,18 +12,19 @@ from pydisc.cluster import partition as P
 sys.path.insert(0, str(Path(__file__).parent.parent / "models"))
 
 
+def _library_policy(monkeypatch):
+    """What the CUDA target does with convolutions and matmuls (and the transposes only they read;
+    addmm and baddbmm kept whole), applied on the CPU."""
+    from pydisc.frontend import decompositions as D
+    monkeypatch.setattr(P._Support, "library", lambda self, node: node.op == "call_function"
+                        and node.target in P.LIBRARY_OPS)
+    monkeypatch.setattr(D, "decompositions_for", lambda device: D._LIBRARY_TABLE)
+
+
 def test_view_feeding_only_library_ops_is_not_a_fallback(monkeypatch):
     import test_training
 
-    original = P._Support.is_node_supported
-
-    def library_policy(self, submodules, node):   # what the CUDA target does with convs and matmuls
-        if node.op == "call_function" and node.target in P.LIBRARY_OPS:
-            node.meta["pydisc_library"] = True
-            return False
-        return original(self, submodules, node)
-
-    monkeypatch.setattr(P._Support, "is_node_supported", library_policy)
+    _library_policy(monkeypatch)
     pstep.clear_plans()
     try:
         # trains eager and pydisc side by side, asserts equal losses and states, and no fallback ops
@@ -41,15 +42,7 @@ def test_getitems_of_a_multi_output_op_stay_with_it(monkeypatch):
     import torch
     import torch.nn.functional as F
 
-    original = P._Support.is_node_supported
-
-    def library_policy(self, submodules, node):
-        if node.op == "call_function" and node.target in P.LIBRARY_OPS:
-            node.meta["pydisc_library"] = True
-            return False
-        return original(self, submodules, node)
-
-    monkeypatch.setattr(P._Support, "is_node_supported", library_policy)
+    _library_policy(monkeypatch)
     monkeypatch.setattr(P, "FX_PARTITIONER_MAX_NODES", 0)
     pstep.clear_plans()
     pydisc.reset_metrics()
@@ -71,4 +64,47 @@ def test_getitems_of_a_multi_output_op_stay_with_it(monkeypatch):
     torch.testing.assert_close(lw.grad.cpu(), ew.grad, rtol=1e-4, atol=1e-4)
     m = pydisc.metrics()
     assert m["compile_failures"] == {} and m["fallback_ops"] == {}, (m["compile_failures"], m["fallback_ops"])
+    pstep.clear_plans()
+
+
+def test_transposes_read_only_by_matmuls_run_as_views_in_training(monkeypatch):
+    """An attention step with matmuls left to torch: the transposed activations of the weight
+    gradients and of the attention probabilities are views in torch, not cluster outputs; the
+    values equal eager's."""
+    import copy
+
+    import torch
+    import torch.nn as nn
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
+
+        def forward(self, x):
+            q, k, v = (z.view(3, 5, 2, 8).transpose(1, 2) for z in self.qkv(x).split(16, dim=2))
+            p = ((q @ k.transpose(-2, -1)) * 0.35).softmax(-1)
+            return self.out((p @ v).transpose(1, 2).reshape(3, 5, 16)).tanh()
+
+    _library_policy(monkeypatch)
+    pstep.clear_plans()
+    pydisc.reset_metrics()
+    torch.manual_seed(0)
+    model = Attention()
+    x = torch.randn(3, 5, 16)
+    twin = pydisc.lazy(copy.deepcopy(model))
+    opt, twin_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, twin))
+    for _ in range(3):
+        for m, o in ((model, opt), (twin, twin_opt)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+        pydisc.mark_step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(q.detach().cpu(), p.detach(), rtol=1e-4, atol=1e-5)
+    m = pydisc.metrics()
+    assert m["fallback_ops"] == {} and m["compile_failures"] == {}, (m["fallback_ops"], m["compile_failures"])
+    assert m["library_ops"].get("aten.permute.default", 0) > 0, m["library_ops"]
+    # the linear layers: whole addmms in torch (their decomposition would compute bf16 ones in float32)
+    assert m["library_ops"].get("aten.addmm.default", 0) > 0, m["library_ops"]
     pstep.clear_plans()

@@ -196,3 +196,28 @@ def test_on_a_gpu_scatters_that_may_repeat_coordinates_run_in_torch(monkeypatch)
             if node.target in targets:
                 assert support.is_node_supported({}, node) == (node.target not in in_torch), (device, node.target)
                 assert bool(node.meta.pop("pydisc_library", False)) == (node.target in in_torch)
+
+
+def test_on_a_gpu_a_transpose_read_only_by_matmuls_stays_a_view(monkeypatch):
+    # cuBLAS reads a transposed view at no cost; inside a cluster the transpose would be an output that
+    # IREE writes transposed (every weight gradient's activations in a training step). A transpose that
+    # a cluster op reads too stays in the cluster.
+    monkeypatch.setattr(partition_module, "_device_reason", lambda node, device: None)  # CPU-traced graph
+
+    def fn(x, w, g):
+        h = (x * 2).tanh()
+        gw = h.t() @ g                  # read by mm only: a view in torch
+        p = h.exp().t()                 # read by mm and by an add: stays in the cluster
+        return h @ w, gw, p @ g, p + 1
+
+    inputs = (torch.randn(6, 4), torch.randn(4, 3), torch.randn(6, 5))
+    transposes = {aten.t.default, aten.permute.default}
+    for device, outside in ((torch.device("cuda"), 1), (CPU, 0)):
+        part = partition_graph(_graph(fn, *inputs), device, lambda node: None, max_ops=None)
+        top = [n for n in part.graph_module.graph.nodes if n.target in transposes]
+        assert len(top) == outside and all(n.meta.get("pydisc_library") for n in top), (device, top)
+        inside = [n for name in part.clusters for n in getattr(part.graph_module, name).graph.nodes
+                  if n.target in transposes]
+        assert len(inside) == 2 - outside, (device, inside)
+        for got, want in zip(part.graph_module(*inputs), fn(*inputs)):
+            torch.testing.assert_close(got, want)

@@ -137,6 +137,22 @@ def test_same_scalars_in_every_layer_compile_one_executable_per_layer_kind(tmp_p
         assert len(barriers) == 1 and barriers[0].count("tensor<f32>") == 10, barriers
 
 
+def test_scalars_read_by_each_kernel_where_a_read_would_be_a_copy(tmp_path, monkeypatch):
+    """On CUDA each scalar read behind the shared barrier is a buffer copy launched with the module:
+    there the kernels read the scalars themselves. Same values as eager."""
+    from pydisc import plan as pplan
+    monkeypatch.setattr(pplan, "_share_scalars", lambda device: False)
+    monkeypatch.setattr(pstep.CONFIG, "dump_dir", str(tmp_path))
+    pstep.clear_plans()
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    y = _layers(pydisc.to_lazy(x), pydisc.to_lazy(w), 40)
+    pydisc.mark_step()
+    torch.testing.assert_close(y.cpu(), _layers(x, w, 40), rtol=1e-5, atol=1e-5)
+    texts = [p.read_text() for p in tmp_path.glob("step*_fused_*.mlir")]
+    assert texts and not any("optimization_barrier" in t for t in texts)
+    pstep.clear_plans()
+
+
 # ------------------------------------------------------------------------------------------------
 # pending graphs that are never marked
 
