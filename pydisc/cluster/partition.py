@@ -114,7 +114,6 @@ class _Support(OperatorSupportBase):
             return False
         return True
 
-
     def library(self, node: torch.fx.Node) -> bool:
         """Whether `node` runs in torch's libraries by choice on this device (matmuls, convolutions,
         scatters whose coordinates may repeat, max pooling)."""

@@ -13,6 +13,8 @@ import torch
 from torch._decomp import core_aten_decompositions, get_decompositions
 from torch._ops import OpOverload, OpOverloadPacket
 
+from ..config import CONFIG
+
 __all__ = ["DECOMPOSITIONS", "decompositions_for"]
 
 aten = torch.ops.aten
@@ -307,7 +309,6 @@ _LIBRARY_TABLE: dict[OpOverload, Callable] = {
 
 def decompositions_for(device: torch.device) -> dict[OpOverload, Callable]:
     """The decomposition table for a step on `device`."""
-    from ..config import CONFIG
     if device.type == "cuda" and CONFIG.gpu_matmul != "iree":
         return _LIBRARY_TABLE
     return DECOMPOSITIONS
