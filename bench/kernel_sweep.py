@@ -1,7 +1,7 @@
 """Time every compiled cluster of a run under several sets of iree-compile flags, side by side.
 
     PYDISC_DUMP_DIR=dump python bench/workloads.py --only bert --modes pydisc   # the clusters' StableHLO
-    python bench/kernel_sweep.py dump --json sweep.jsonl                       # on the GPU machine
+    python bench/kernel_sweep.py dump --json sweep.json                        # on the GPU machine
 
 Each `<digest>.mlir` that pydisc wrote to the dump folder (static shapes only) is compiled once per
 variant (`PYDISC_IREE_FLAGS`, in a process of its own, no disk cache), run on random inputs made from
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -71,13 +72,7 @@ def _make(shape, dtype, device):
 
 
 def _nbytes(specs) -> int:
-    total = 0
-    for shape, dtype in specs:
-        n = 1
-        for d in shape:
-            n *= d
-        total += n * (1 if dtype == torch.bool else torch.empty((), dtype=dtype).element_size())
-    return total
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in specs)
 
 
 def _time_call(run, device) -> float:
@@ -98,20 +93,20 @@ def run_variant(folder: str, repeats: int, device: torch.device) -> list[dict]:
     """In this process (PYDISC_IREE_FLAGS set by the caller): compile and time every cluster."""
     from pydisc.exec import compile_module
     from pydisc.exec.compiler import precompile
-    texts = {}
+    texts = {}     # name -> (text, signature)
     for path in sorted(Path(folder).glob("*.mlir")):
         if re.fullmatch(r"[0-9a-f]{16}\.mlir", path.name):
             text = path.read_text()
-            if "stablehlo" in text and signature(text) is not None:
-                texts[path.stem] = text
+            sig = signature(text) if "stablehlo" in text else None
+            if sig is not None:
+                texts[path.stem] = (text, sig)
     started = time.perf_counter()
-    precompile(list(texts.values()), device, jobs=os.cpu_count())
+    precompile([text for text, _ in texts.values()], device, jobs=os.cpu_count())
     rows = [{"compile s": time.perf_counter() - started, "clusters": len(texts)}]
-    for name, text in texts.items():
+    for name, (text, (ins, outs)) in texts.items():
         row = {"cluster": name}
         try:
             module = compile_module(text, device)
-            ins, outs = signature(text)
             inputs = [_make(s, d, device) for s, d in ins]
             outputs = [torch.empty(s, dtype=d, device=device) for s, d in outs]
             for _ in range(3):
@@ -119,7 +114,6 @@ def run_variant(folder: str, repeats: int, device: torch.device) -> list[dict]:
             row["us"] = statistics.median(_time_call(lambda: module.run(inputs, outputs), device)
                                           for _ in range(repeats))
             row["bytes"] = _nbytes(ins) + _nbytes(outs)
-            row["reduces"] = text.count("stablehlo.reduce\"")
             ops = [l.strip()[3:].split(".")[1] for l in text.splitlines() if l.strip().startswith("// aten.")]
             row["ops"] = "%d: %s" % (len(ops), ",".join(dict.fromkeys(o for o in ops if o not in _PLUMBING)))
         except Exception as exc:  # noqa: BLE001 - a variant that fails to compile or run is reported

@@ -331,7 +331,12 @@ def _profile(m: Mode, batches: list, steps: int, path: Path) -> dict:
         lines.append("| %s | %.1f | %.1f | %.3f | %.1f%% |" % (name[:110], len(durs) / steps, sum(durs) / len(durs),
                                                            sum(durs) / 1e3 / steps, 100 * sum(durs) / total))
     path.write_text("\n".join(lines) + "\n")
-    # where the host's time goes (Python functions, cumulative and own time)
+    _host_profile(m, batches, steps, Path(str(path)[: -len(".md")] + ".host.txt"))
+    return summary
+
+
+def _host_profile(m: Mode, batches: list, steps: int, path: Path) -> None:
+    """Where the host's time goes over `steps` steps: Python functions by cumulative and own time."""
     import cProfile
     import io
     import pstats
@@ -345,8 +350,7 @@ def _profile(m: Mode, batches: list, steps: int, path: Path) -> dict:
     stats = pstats.Stats(host, stream=text)
     stats.sort_stats("cumulative").print_stats(45)
     stats.sort_stats("tottime").print_stats(30)
-    Path(str(path)[: -len(".md")] + ".host.txt").write_text(text.getvalue())
-    return summary
+    path.write_text(text.getvalue())
 
 
 def _progress(line: str) -> None:
