@@ -116,7 +116,8 @@ class _Support(OperatorSupportBase):
 
     def library(self, node: torch.fx.Node) -> bool:
         """Whether `node` runs in torch's libraries by choice on this device (matmuls, convolutions,
-        scatters whose coordinates may repeat, max pooling)."""
+        scatters whose coordinates may repeat, max pooling). frontend.decompositions.decompositions_for
+        keeps addmm and baddbmm whole under the same condition."""
         if node.op != "call_function" or self.device.type != "cuda":
             return False
         if node.target in LIBRARY_OPS:
