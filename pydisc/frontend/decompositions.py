@@ -298,13 +298,15 @@ def _build() -> dict[OpOverload, Callable]:
 
 DECOMPOSITIONS: dict[OpOverload, Callable] = _build()
 
-# On a GPU the matmuls run in cuBLAS through torch (cluster.partition.LIBRARY_OPS). There addmm and
-# baddbmm stay whole: torch's decompositions of them compute in float32 (`pw_cast_for_opmath`), which
-# turned the bf16 linear layers of a GPT-2 step into fp32 SIMT GEMMs (57 ms of a 145 ms step on the H200),
-# while cuBLAS runs them in bf16 with the bias added in its epilogue, as eager does.
+# On a GPU the matmuls, softmaxes and their gradients run in torch (cluster.partition.LIBRARY_OPS), so
+# they stay whole: torch's decompositions of addmm and baddbmm compute in float32
+# (`pw_cast_for_opmath`), which turned the bf16 linear layers of a GPT-2 step into fp32 SIMT GEMMs
+# (57 ms of a 145 ms step on the H200), while cuBLAS runs them in bf16 with the bias added in its
+# epilogue, as eager does; a softmax left whole runs as torch's fused kernel.
+_KEPT_WHOLE = (aten.addmm, aten.baddbmm, aten._softmax, aten._log_softmax, aten._softmax_backward_data,
+               aten._log_softmax_backward_data)
 _LIBRARY_TABLE: dict[OpOverload, Callable] = {
-    op: fn for op, fn in DECOMPOSITIONS.items()
-    if op._overloadpacket not in (aten.addmm, aten.baddbmm)}
+    op: fn for op, fn in DECOMPOSITIONS.items() if op._overloadpacket not in _KEPT_WHOLE}
 
 
 def decompositions_for(device: torch.device) -> dict[OpOverload, Callable]:
