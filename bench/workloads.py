@@ -371,6 +371,7 @@ def run_one(name: str, args) -> dict:
     row = {"name": name, "title": w.title, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
            else "cpu", "torch": torch.__version__}
     warm_choices = []    # clusters measured during the warm-up (metrics are reset after it)
+    warm = {"cuda_graph_captures": 0, "cuda_graph_fallbacks": {}}
     live = []            # the modes that ran; one that raises is reported and left out of the timing
 
     def failed(m: Mode, exc: BaseException) -> None:
@@ -446,6 +447,10 @@ def run_one(name: str, args) -> dict:
     row.setdefault("disk cache hits", met["disk_cache_hits"])
     row["plans"] = met["plans_compiled"]
     row["direct_launch_fallbacks"] = sum(met["direct_launch_fallbacks"].values())
+    row["cuda graphs"] = "%d captured, %d replays%s" % (
+        warm["cuda_graph_captures"] + met["cuda_graph_captures"], met["cuda_graph_replays"],
+        "; not captured: %s" % {**warm["cuda_graph_fallbacks"], **met["cuda_graph_fallbacks"]}
+        if met["cuda_graph_fallbacks"] or warm["cuda_graph_fallbacks"] else "")
     row["speed_choices"] = warm_choices + met["speed_choices"]
     row["step choice"] = met["step_choice"] or row.get("step choice", "")
     row["steps while compiling"] = met["steps_while_compiling"]
@@ -510,6 +515,8 @@ def table(rows: list[dict]) -> str:
                 r["name"], len(kept_eager), len(r["speed_choices"]), kept_eager[0]))
         if r.get("direct_launch_fallbacks"):
             notes.append("- %s: %d modules ran through IREE's runtime" % (r["name"], r["direct_launch_fallbacks"]))
+        if r.get("cuda graphs", "").split()[0:1] not in ([], ["0"]) or "not captured" in r.get("cuda graphs", ""):
+            notes.append("- %s: CUDA graphs: %s" % (r["name"], r["cuda graphs"]))
         losses = ", ".join("%s %.4g" % (m, r["loss " + m]) for m in ("eager", "torch.compile", "pydisc")
                            if "loss " + m in r)
         notes.append("- %s: last value %s" % (r["name"], losses))

@@ -53,6 +53,9 @@ class Config:
     # extra iree-compile flags for every cluster (space-separated, shell quoting), appended to the
     # target's own; part of the compile cache key (bench/kernel_sweep.py times variants of them)
     iree_flags: str = _env("PYDISC_IREE_FLAGS")
+    # on CUDA, a step plan that has run twice is captured as one CUDA graph and replayed with one launch
+    # (pydisc/exec/graphs.py): 0 runs it kernel by kernel
+    cuda_graphs: bool = _env("PYDISC_CUDA_GRAPHS", "1") != "0"
 
 
 CONFIG = Config()

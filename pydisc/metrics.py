@@ -58,6 +58,9 @@ class Metrics:
     step_choice: str = ""        # the whole-step choice (step_choice.py): times per step and the mode kept
     direct_launches: int = 0          # CUDA kernels, copies and fills pydisc queued on torch's stream itself
     direct_launch_fallbacks: Counter = field(default_factory=Counter)  # reason -> modules run by IREE's runtime
+    cuda_graph_captures: int = 0      # step plans captured as one CUDA graph (exec/graphs.py)
+    cuda_graph_replays: int = 0       # steps run as one replay of such a graph
+    cuda_graph_fallbacks: Counter = field(default_factory=Counter)  # reason -> plans run kernel by kernel
 
     def snapshot(self) -> dict:
         out = {}

@@ -36,6 +36,7 @@ class StepPlan:
     clusters: int = 0                                     # compiled StableHLO clusters
     regions: int = 0                                      # compiled torch-mlir regions
     library_ops: Counter = field(default_factory=Counter)  # ATen op -> runs in torch's libraries by choice
+    graph: Any = None                                     # its CUDA graph, once run (exec/graphs.StepGraph)
 
 
 class CompiledCluster(torch.nn.Module):

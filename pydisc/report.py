@@ -70,6 +70,11 @@ def metrics_report(top: int = 10) -> str:
             m.direct_launches, "; through IREE's runtime: " + ", ".join(
                 "%s x%d" % kv for kv in m.direct_launch_fallbacks.most_common(top))
             if m.direct_launch_fallbacks else ""))
+    if m.cuda_graph_captures or m.cuda_graph_fallbacks:
+        lines.append("  CUDA graphs          %d captured, %d steps replayed%s" % (
+            m.cuda_graph_captures, m.cuda_graph_replays, "; kernel by kernel: " + ", ".join(
+                "%s x%d" % kv for kv in m.cuda_graph_fallbacks.most_common(top))
+            if m.cuda_graph_fallbacks else ""))
     if m.compile_failures:
         lines.append("  compile failures     " + ", ".join("%s x%d" % kv for kv in m.compile_failures.items()))
     if m.numerics_checks:

@@ -20,6 +20,7 @@ from .frontend.lazy_tensor import (PRUNE_FIRST_AT, RECORDER, LazyTensor, _flat_b
                                    set_executor)
 from . import background, dynamic, optimizer_state, step_choice
 from .dynamic import Binding
+from .exec import graphs
 from .frontend.replay import NotDynamic, Program, concrete_program, program_from_trace, symbolic_program
 from .frontend.trace import LazyStorage, Trace
 from .metrics import METRICS
@@ -192,7 +193,7 @@ def run_pending(target: LazyTensor | None = None, reason: str = "mark_step") -> 
 def _run(trace: Trace, target: LazyTensor | None) -> tuple:
     """Returns (the plan's cache key or None, whether the plan came from the cache, the device)."""
     n = len(trace.entries)
-    cached = False
+    cached = graphed = False
     if target is None:
         executed = list(range(n))
     else:
@@ -206,7 +207,7 @@ def _run(trace: Trace, target: LazyTensor | None) -> tuple:
         remaining = [i for i in remaining if i in observable]
     outputs = _select_outputs(trace, executed, remaining)
     device = _step_device(trace)
-    scalars = torch.tensor(trace.scalars, dtype=torch.float32, device=device) if trace.scalars else None
+    scalars = _scalars(trace.scalars, device) if trace.scalars else None
     inputs = list(trace.storage_inputs) + list(trace.real_inputs) + ([scalars] if scalars is not None else [])
     if trace.symbolic is not None:
         plan, call_inputs, perm = _plan_symbolic(trace, executed, outputs, inputs, scalars, device)
@@ -257,8 +258,13 @@ def _run(trace: Trace, target: LazyTensor | None) -> tuple:
                 call_inputs, perm = inputs, None
         else:
             call_inputs, perm = inputs, None
+            graphed = graphs.enabled(device)    # a plan for these shapes: replayed from a CUDA graph
     try:
-        results = plan.runner(*call_inputs)
+        if graphed:
+            kept = frozenset(k for k, (kind, _) in enumerate(outputs) if kind == "base")
+            results = graphs.run_plan(plan, call_inputs, kept, device)
+        else:
+            results = plan.runner(*call_inputs)
         if perm is not None:
             results = [results[k] for k in perm]
     except Exception as exc:
@@ -284,6 +290,16 @@ def _run(trace: Trace, target: LazyTensor | None) -> tuple:
         METRICS.library_ops[op] += count
     _bind(trace, outputs, results, executed, remaining)
     return key, cached, device
+
+
+def _scalars(values: list, device: torch.device) -> torch.Tensor:
+    """The step's lifted Python scalars as one float32 tensor on `device`. To a GPU through pinned
+    memory without waiting: a copy from pageable memory would synchronise the stream, and the next
+    step's recording would no longer overlap this one's kernels."""
+    host = torch.tensor(values, dtype=torch.float32)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _is_out_of_memory(exc: BaseException) -> bool:

@@ -143,6 +143,8 @@ class _Plan:
 class DirectModule:
     """`run(inputs, outputs)` like `CompiledModule.run`, launching the kernels on torch's stream."""
 
+    on_torch_stream = True   # its work can be captured in a CUDA graph (exec/graphs.py)
+
     def __init__(self, vmfb: bytes, blob: bytes, schedule: Schedule, session, name: str) -> None:
         self.name = name
         self.device = session.device

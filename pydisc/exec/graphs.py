@@ -1,0 +1,213 @@
+"""A step captured as one CUDA graph: the whole plan replayed with a single launch.
+
+A compiled GPT-2 training step launches about 2,500 kernels (IREE's, cuBLAS's, torch's) from Python
+at 10-20 µs of host time each, and the CUDA launch queue fills: `mark_step()` then waits for the GPU,
+and the next step's recording no longer overlaps its work. Once a plan has run twice (its clusters
+have loaded their kernels and made their measured choices), its third run is captured with
+`torch.cuda.CUDAGraph` (capturable because the direct launcher queues IREE's kernels on torch's
+current stream, exec/direct) and every later run of the plan is one `replay()`: `mark_step()` returns
+as soon as the step is queued.
+
+What a replay needs, and how it is kept safe:
+- Inputs at the addresses the graph was captured with. An input found at the same address on two
+  runs in a row (parameters, optimizer state: written in place by each step) is read where it lives;
+  any other (the batch, the step's scalars) is copied into a buffer of the graph's own before each
+  replay. An input that moves after the capture makes the plan capture again (at most
+  `MAX_CAPTURES` times, then it runs kernel by kernel).
+- Outputs are written into the graph's memory at each replay: every output that the step does not
+  copy into an input's storage anyway is cloned before it is handed out, so a tensor kept from an
+  earlier step keeps its values.
+- Only plans that run entirely on the GPU, on torch's stream: a cluster run by IREE's runtime (its
+  own stream, host synchronisation) or an op on CPU tensors would not be replayed, so such plans are
+  never captured. A capture that fails (an op that synchronises, say) is given up, warned once and
+  counted in `metrics()["cuda_graph_fallbacks"]`; the plan then runs kernel by kernel.
+
+Each graph keeps the memory of its step (its own pool, as `torch.cuda.graph` does): the caching
+allocator's free blocks are handed back to the driver before a capture, so that the graph can take
+them. `PYDISC_CUDA_GRAPHS=0` turns this off.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..config import CONFIG
+from ..diagnostics import log, warn_once
+from ..metrics import METRICS
+
+__all__ = ["StepGraph", "run_plan"]
+
+CAPTURE_AT = 3      # the plan's run that is captured: its clusters measured themselves on the 2nd
+MAX_CAPTURES = 6    # captures per plan (each one stages the inputs that moved): then kernel by kernel
+_COUNTED = ("executions", "executions_torch_mlir", "direct_launches")   # what a replay repeats
+_STREAMS: dict = {}
+
+
+def run_plan(plan, inputs: list, kept: frozenset, device: torch.device) -> list:
+    """Run `plan.runner` on `inputs`, through a CUDA graph from the plan's `CAPTURE_AT`th run on. `kept`: positions of outputs that the step copies into its inputs' storages right away
+    (they need no clone)."""
+    graph = plan.graph
+    if graph is None:
+        graph = plan.graph = StepGraph(plan.runner, device, kept)
+    return graph(inputs)
+
+
+class StepGraph:
+    def __init__(self, runner, device: torch.device, kept: frozenset) -> None:
+        self.runner = runner
+        self.device = device
+        self.kept = kept
+        self.calls = 0
+        self.captures = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.off = _not_capturable(runner, device)   # why the plan runs kernel by kernel, or None
+        self.last_ptrs: list | None = None
+        self.moving: set[int] = set()     # positions of inputs copied into the graph's own buffers
+        self.staged: dict[int, torch.Tensor] = {}
+        self.direct: list[tuple[int, int]] = []   # (position, address) of inputs read where they live
+        self.outputs: list = []
+        self.clone: list[bool] = []
+        self.counted: dict[str, int] = {}
+
+    def __call__(self, inputs: list) -> list:
+        self.calls += 1
+        if self.graph is not None:
+            moved = [k for k, ptr in self.direct if inputs[k].data_ptr() != ptr]
+            if not moved:
+                return self._replay(inputs)
+            self.moving.update(moved)
+            self.graph = self.outputs = None     # its memory goes back before the next capture
+            log("recompiles", "a CUDA graph is captured again: %d inputs moved", len(moved))
+        if self.off is None and self.calls == 1:
+            self.off = _not_capturable_inputs(inputs, self.device)
+        if self.off is not None:
+            return self.runner(*inputs)
+        ptrs = [t.data_ptr() for t in inputs]
+        if self.last_ptrs is not None:
+            self.moving.update(k for k, (a, b) in enumerate(zip(ptrs, self.last_ptrs)) if a != b)
+        self.last_ptrs = ptrs
+        if self.calls < CAPTURE_AT:
+            return self.runner(*inputs)
+        if self.captures >= MAX_CAPTURES:
+            self._give_up("its inputs keep moving (%d captures)" % self.captures)
+            return self.runner(*inputs)
+        try:
+            self._capture(inputs)
+        except Exception as exc:   # noqa: BLE001 - whatever breaks a capture, the plan still runs
+            self.graph = None
+            self._give_up("%s: %s" % (type(exc).__name__, str(exc).strip().splitlines()[0][:200] if str(exc) else ""))
+            return self.runner(*inputs)
+        return self._replay(inputs, counted=False)
+
+    def _capture(self, inputs: list) -> None:
+        self.captures += 1
+        self.staged = {k: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+                       for k, t in enumerate(inputs) if k in self.moving}
+        self.direct = [(k, t.data_ptr()) for k, t in enumerate(inputs) if k not in self.moving]
+        args = [self.staged.get(k, t) for k, t in enumerate(inputs)]   # (filled at each replay)
+        before = {name: getattr(METRICS, name) for name in _COUNTED}
+        graph, outputs = _capture_graph(self.runner, args, self.device)
+        self.counted = {name: getattr(METRICS, name) - before[name] for name in _COUNTED}
+        outputs = list(outputs)
+        direct_storages = {inputs[k].untyped_storage().data_ptr() for k, _ in self.direct}
+        self.outputs = outputs
+        self.clone = [isinstance(o, torch.Tensor) and k not in self.kept
+                      and o.untyped_storage().data_ptr() not in direct_storages
+                      for k, o in enumerate(outputs)]
+        self.graph = graph
+        METRICS.cuda_graph_captures += 1
+        log("compiles", "step captured as a CUDA graph: %d inputs read in place, %d copied in, %d outputs",
+            len(self.direct), len(self.staged), len(outputs))
+
+    def _replay(self, inputs: list, counted: bool = True) -> list:
+        for k, buffer in self.staged.items():
+            buffer.copy_(inputs[k])
+        self.graph.replay()
+        if counted:
+            METRICS.cuda_graph_replays += 1
+            for name, n in self.counted.items():
+                setattr(METRICS, name, getattr(METRICS, name) + n)
+        return [o.clone(memory_format=torch.preserve_format) if c else o
+                for o, c in zip(self.outputs, self.clone)]
+
+    def _give_up(self, reason: str) -> None:
+        self.off = reason
+        METRICS.cuda_graph_fallbacks[reason[:120]] += 1
+        warn_once("cudagraph:" + reason[:80], "pydisc: a step could not be captured as a CUDA graph (%s); it runs "
+                  "kernel by kernel, correct but with more host time per step" % reason)
+
+
+def _capture_graph(runner, args: list, device: torch.device):
+    """Capture `runner(*args)` on a side stream: (the graph, its outputs). Nothing runs; the outputs are
+    filled by each `replay()`."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    graph = torch.cuda.CUDAGraph()
+    stream = _stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            outputs = runner(*args)
+        except BaseException:
+            try:
+                graph.capture_end()
+            except Exception:   # noqa: BLE001 - the capture was already invalid; the first error counts
+                _end_generator_capture(device)
+            raise
+        try:
+            graph.capture_end()
+        except BaseException:
+            _end_generator_capture(device)
+            raise
+    torch.cuda.current_stream(device).wait_stream(stream)
+    return graph, outputs
+
+
+def _end_generator_capture(device: torch.device) -> None:
+    """After a capture that failed to end: torch's CUDA generator still counts its draws as captured
+    (its state leaves capture mode only when a capture ends well), and every random op after it would
+    fail. A capture of one small kernel, ended normally, puts it back."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.device(device), torch.cuda.stream(_stream(device)):
+        graph.capture_begin(capture_error_mode="thread_local")
+        torch.empty(1, device=device).zero_()
+        graph.capture_end()
+
+
+def _not_capturable(runner, device: torch.device) -> str | None:
+    """Why `runner` (a plan's graph module) cannot be replayed from a CUDA graph, or None."""
+    from ..plan import CompiledCluster
+
+    if CONFIG.check_every:
+        return "PYDISC_CHECK compares with eager on the host"
+    if not isinstance(runner, torch.fx.GraphModule):
+        return "the step runs op by op"
+    for module in runner.modules():
+        if isinstance(module, CompiledCluster) and not getattr(module.compiled, "on_torch_stream", False):
+            return "cluster %s runs through IREE's runtime" % module.name
+        if isinstance(module, torch.fx.GraphModule):
+            for node in module.graph.nodes:
+                val = node.meta.get("val")
+                for v in (val if isinstance(val, (tuple, list)) else (val,)):
+                    if isinstance(v, torch.Tensor) and v.device.type != device.type:
+                        return "%s works on a %s tensor" % (node.target, v.device.type)
+    return None
+
+
+def _not_capturable_inputs(inputs: list, device: torch.device) -> str | None:
+    for t in inputs:
+        if not isinstance(t, torch.Tensor):
+            return "an input is a %s" % type(t).__name__
+        if t.device.type != device.type or (device.index is not None and t.device.index != device.index):
+            return "an input is on %s" % t.device
+    return None
+
+
+def _stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _STREAMS:
+        _STREAMS[device] = torch.cuda.Stream(device)
+    return _STREAMS[device]
+
+
+def enabled(device: torch.device) -> bool:
+    return device.type == "cuda" and CONFIG.cuda_graphs

@@ -1,0 +1,198 @@
+"""A step plan replayed from a CUDA graph (pydisc/exec/graphs.py).
+
+On the CPU the capture is simulated: `_fake_capture` gives the runner's outputs fixed buffers, and
+each replay runs the runner again on the arguments it was captured with and writes into those
+buffers, as a CUDA graph replays its kernels on fixed addresses. That checks what pydisc does around
+the graph: which inputs are read in place and which are copied in, captures again when an input
+moves, clones what it hands out, gives up cleanly. The real capture is tested on the GPU (`cuda`)."""
+import pytest
+import torch
+
+import pydisc
+from pydisc import step as pstep
+from pydisc.exec import graphs
+from pydisc.metrics import METRICS
+
+
+class _FakeGraph:
+    def __init__(self, runner, args, outputs):
+        self.runner, self.args, self.outputs = runner, args, outputs
+
+    def replay(self):
+        for static, fresh in zip(self.outputs, self.runner(*self.args)):
+            static.copy_(fresh)
+
+
+def _fake_capture(runner, args, device):
+    outputs = [torch.full_like(o, float("nan")) for o in runner(*args)]   # nothing runs at capture
+    return _FakeGraph(runner, args, outputs), outputs
+
+
+@pytest.fixture
+def fake_graphs(monkeypatch):
+    monkeypatch.setattr(graphs, "_capture_graph", _fake_capture)
+    monkeypatch.setattr(graphs, "_not_capturable", lambda runner, device: None)
+    monkeypatch.setattr(graphs, "enabled", lambda device: True)
+    pydisc.reset_metrics()
+
+
+def test_inputs_in_place_or_copied_in_outputs_cloned(fake_graphs):
+    calls = []
+
+    def runner(w, x):
+        calls.append((w.data_ptr(), x.data_ptr()))
+        return [w * 2 + x.sum()]
+
+    w = torch.randn(4)
+    g = graphs.StepGraph(runner, torch.device("cpu"), frozenset())
+    kept = []
+    for step in range(6):
+        x = torch.full((3,), float(step))       # a new tensor each step, like a batch
+        out = g([w, x])[0]
+        torch.testing.assert_close(out, w * 2 + 3 * step)
+        kept.append(out)
+    assert METRICS.cuda_graph_captures == 1 and METRICS.cuda_graph_replays == 3
+    assert g.direct == [(0, w.data_ptr())] and list(g.staged) == [1]   # w read in place, x copied in
+    # two plain runs, the capture, four replays (the third step's, then three more; the fake re-runs)
+    assert len(calls) == 2 + 1 + 4
+    for step, out in enumerate(kept):   # outputs handed out earlier keep their values
+        torch.testing.assert_close(out, w * 2 + 3 * step)
+
+
+def test_an_input_that_moves_is_captured_again_then_given_up(fake_graphs):
+    """An input read in place that moves is copied in from then on, after a new capture; when inputs
+    keep moving (another one each step), the plan runs kernel by kernel."""
+    g = graphs.StepGraph(lambda *xs: [sum(xs)], torch.device("cpu"), frozenset())
+    xs = [torch.full((2,), float(k)) for k in range(graphs.MAX_CAPTURES + 2)]
+    for _ in range(3):
+        g(xs)
+    assert METRICS.cuda_graph_captures == 1 and not g.staged
+    with pytest.warns(UserWarning, match="keep moving"):
+        for k in range(graphs.MAX_CAPTURES + 1):
+            xs[k] = xs[k].clone() + 1          # a new address (and value) for one more input
+            torch.testing.assert_close(g(xs)[0], sum(xs))
+            torch.testing.assert_close(g(xs)[0], sum(xs))
+    assert METRICS.cuda_graph_captures == graphs.MAX_CAPTURES
+    assert "keep moving" in g.off and METRICS.cuda_graph_fallbacks
+
+
+def test_kept_outputs_are_not_cloned(fake_graphs):
+    """Outputs the step copies into its inputs' storages right away (`kept`) are handed out as the
+    graph's own buffers; the rest are cloned."""
+    g = graphs.StepGraph(lambda a: [a + 1, a * 2], torch.device("cpu"), frozenset({0}))
+    a = torch.zeros(2)
+    for _ in range(4):
+        first, second = g([a])
+    assert first.data_ptr() == g.outputs[0].data_ptr()
+    assert second.data_ptr() != g.outputs[1].data_ptr()
+
+
+def test_a_failed_capture_runs_the_plan_and_is_counted(fake_graphs, monkeypatch):
+    def broken(runner, args, device):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs, "_capture_graph", broken)
+    g = graphs.StepGraph(lambda a: [a + 1], torch.device("cpu"), frozenset())
+    a = torch.zeros(2)
+    with pytest.warns(UserWarning, match="could not be captured as a CUDA graph"):
+        for _ in range(5):
+            torch.testing.assert_close(g([a])[0], a + 1)
+    assert METRICS.cuda_graph_captures == 0 and g.off.startswith("RuntimeError")
+    assert sum(METRICS.cuda_graph_fallbacks.values()) == 1
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_training_through_replayed_steps_matches_eager(device, request):
+    """An MLP trained with SGD and momentum: steps 3 on are replays, with a new batch each step; the
+    losses kept from every step, read at the end, and the weights equal eager's. On the GPU, a real
+    CUDA graph."""
+    if device == "cpu":
+        request.getfixturevalue("fake_graphs")
+    pydisc.reset_metrics()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).to(device)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)).to(device)
+    ref.load_state_dict(model.state_dict())
+    batches = [(torch.randn(5, 8, device=device), torch.randn(5, 1, device=device)) for _ in range(7)]
+    pstep.clear_plans()
+    try:
+        lazy = pydisc.lazy(model)
+        opt = torch.optim.SGD(lazy.parameters(), lr=0.1, momentum=0.9)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        losses, ref_losses = [], []
+        lazy_batches = [(pydisc.to_lazy(x.clone()), pydisc.to_lazy(y.clone())) for x, y in batches]
+        for (x, y), (lx, ly) in zip(batches, lazy_batches):   # a batch at a new address each step
+            loss = torch.nn.functional.mse_loss(lazy(lx), ly)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            pydisc.mark_step()
+            losses.append(loss)
+            ref_loss = torch.nn.functional.mse_loss(ref(x), y)
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            ref_losses.append(ref_loss.detach())
+        assert METRICS.cuda_graph_captures == 1 and METRICS.cuda_graph_replays == 3, pydisc.metrics_report()
+        assert not METRICS.cuda_graph_fallbacks
+        torch.testing.assert_close(torch.stack([l.cpu() for l in losses]), torch.stack(ref_losses).cpu())
+        for p, q in zip(lazy.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.cpu(), q.cpu())
+    finally:
+        pstep.clear_plans()
+
+
+@pytest.mark.cuda
+def test_random_ops_draw_new_numbers_at_each_replay():
+    """Dropout runs in torch inside the graph: each replay advances torch's generator, as eager steps
+    do (CUDA graphs register the default generator), so the masks differ from step to step."""
+    pydisc.reset_metrics()
+    torch.manual_seed(0)
+    w = pydisc.to_lazy(torch.ones(256, 256, device="cuda"))
+    x = torch.ones(256, 256, device="cuda")
+    pstep.clear_plans()
+    try:
+        outs = []
+        for _ in range(6):
+            out = torch.nn.functional.dropout(pydisc.to_lazy(x) @ w, 0.5, training=True) * 2
+            pydisc.mark_step()
+            outs.append(out.cpu())
+        assert METRICS.cuda_graph_replays >= 3, pydisc.metrics_report()
+        for a, b in zip(outs, outs[1:]):
+            assert not torch.equal(a, b)
+            kept = (a != 0).float().mean().item()
+            assert 0.45 < kept < 0.55
+    finally:
+        pstep.clear_plans()
+
+
+@pytest.mark.cuda
+def test_a_capture_that_fails_leaves_random_ops_working(monkeypatch):
+    """A capture broken by a synchronisation inside the step: the plan runs kernel by kernel, warned and
+    counted, and dropout (torch's generator, which a failed capture can leave in capture mode) keeps
+    working in the steps after it and outside pydisc."""
+    real = graphs._capture_graph
+
+    def syncing(runner, args, device):
+        def runner_then_sync(*a):
+            out = runner(*a)
+            torch.cuda.synchronize()   # not allowed while a stream is captured
+            return out
+        return real(runner_then_sync, args, device)
+
+    monkeypatch.setattr(graphs, "_capture_graph", syncing)
+    pydisc.reset_metrics()
+    w = pydisc.to_lazy(torch.ones(64, 64, device="cuda"))
+    pstep.clear_plans()
+    try:
+        with pytest.warns(UserWarning, match="could not be captured as a CUDA graph"):
+            for _ in range(6):
+                out = torch.nn.functional.dropout(pydisc.to_lazy(torch.ones(64, 64, device="cuda")) @ w, 0.5)
+                pydisc.mark_step()
+                kept = (out.cpu() != 0).float().mean().item()
+                assert 0.4 < kept < 0.6
+        assert METRICS.cuda_graph_captures == 0 and sum(METRICS.cuda_graph_fallbacks.values()) == 1
+        assert not METRICS.compile_failures, METRICS.compile_failures
+        torch.rand(8, device="cuda").sum().item()
+    finally:
+        pstep.clear_plans()
