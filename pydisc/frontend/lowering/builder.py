@@ -83,6 +83,9 @@ class FunctionBuilder(RuntimeSizes):
         # llvm-cpu (the sum of 50 ones comes out as 7: one per 8-wide vector), so `reduce` hides them
         # behind an optimization barrier. Backward passes sum broadcast ones all the time.
         self._constant: set[str] = set()
+        # bf16 value -> the same values as float32 (`convert`): a bf16 rounding inside a cluster stays
+        # in float32, because IREE 3.13 does not fuse a truncation into the ops that widen it again
+        self._wide: dict[str, Value] = {}
         self._init_sizes()  # runtime sizes (sizes.py)
 
     # ---- low level -------------------------------------------------------------------------------
@@ -198,6 +201,11 @@ class FunctionBuilder(RuntimeSizes):
             f"{out.name} = stablehlo.select {pred.name}, {on_true.name}, {on_false.name} : "
             f"{pred.type}, {on_true.type}"
         )
+        if on_true.name in self._wide or on_false.name in self._wide:
+            # exact in float32 too: a masked fill of a rounded value (autocast's bf16 masked_fill)
+            wide = [self._wide.get(v.name) or self.unary("convert", v, v.type.with_dtype(torch.float32))
+                    for v in (on_true, on_false)]
+            self._wide[out.name] = self.select(pred, *wide)
         return out
 
     def fresh_copy(self, x: Value) -> Value:
@@ -352,6 +360,8 @@ class FunctionBuilder(RuntimeSizes):
         """dtype conversion with torch semantics (to bool means `!= 0`; float to int truncates)."""
         if x.dtype == dtype:
             return x
+        if dtype == torch.float32 and x.name in self._wide:
+            return self._wide[x.name]
         if dtype == torch.bool:
             return self.compare("NE", x, self.full(x.shape, 0, x.dtype))
         if x.dtype == torch.bool:
@@ -370,7 +380,13 @@ class FunctionBuilder(RuntimeSizes):
                 # function it does not link (__truncsfbf2)
                 x = self.op("stablehlo.reduce_precision", [x], x.type,
                             {"exponent_bits": "8 : i32", "mantissa_bits": "7 : i32"})  # type: ignore[assignment]
-        return self.unary("convert", x, x.type.with_dtype(dtype))
+        out = self.unary("convert", x, x.type.with_dtype(dtype))
+        if dtype == torch.bfloat16 and x.dtype == torch.float32:
+            # the rounded values in float32, for a conversion back (autocast rounds to bf16 between
+            # float32 ops): IREE fuses this, not the truncation, with what follows; unused, it is dropped
+            self._wide[out.name] = self.op("stablehlo.reduce_precision", [x], x.type,
+                                           {"exponent_bits": "8 : i32", "mantissa_bits": "7 : i32"})
+        return out
 
     def iota(self, shape: Sequence[Size], dim: int, dtype: torch.dtype) -> Value:
         if not is_static(shape):
