@@ -16,7 +16,8 @@ What a replay needs, and how it is kept safe:
   `MAX_CAPTURES` times, then it runs kernel by kernel).
 - Outputs are written into the graph's memory at each replay: every output that the step does not
   copy into an input's storage anyway is cloned before it is handed out, so a tensor kept from an
-  earlier step keeps its values.
+  earlier step keeps its values. The copies into inputs read in place (parameters, optimizer state)
+  are the graph's last work.
 - Only plans that run entirely on the GPU, on torch's stream: a cluster run by IREE's runtime (its
   own stream, host synchronisation) or an op on CPU tensors would not be replayed, so such plans are
   never captured. A capture that fails (an op that synchronises, say) is given up, warned once and
@@ -42,9 +43,10 @@ _COUNTED = ("executions", "executions_torch_mlir", "direct_launches")   # what a
 _STREAMS: dict = {}
 
 
-def run_plan(plan, inputs: list, kept: frozenset, device: torch.device) -> list:
-    """Run `plan.runner` on `inputs`, through a CUDA graph from the plan's `CAPTURE_AT`th run on. `kept`: positions of outputs that the step copies into its inputs' storages right away
-    (they need no clone)."""
+def run_plan(plan, inputs: list, kept: dict, device: torch.device) -> list:
+    """Run `plan.runner` on `inputs`, through a CUDA graph from the plan's `CAPTURE_AT`th run on.
+    `kept`: output position -> the input whose storage the step writes it into (a parameter, an
+    optimizer's state). Inside the graph that copy is its last work, and the input itself is returned."""
     graph = plan.graph
     if graph is None:
         graph = plan.graph = StepGraph(plan.runner, device, kept)
@@ -52,7 +54,7 @@ def run_plan(plan, inputs: list, kept: frozenset, device: torch.device) -> list:
 
 
 class StepGraph:
-    def __init__(self, runner, device: torch.device, kept: frozenset) -> None:
+    def __init__(self, runner, device: torch.device, kept: dict) -> None:
         self.runner = runner
         self.device = device
         self.kept = kept
@@ -104,8 +106,21 @@ class StepGraph:
                        for k, t in enumerate(inputs) if k in self.moving}
         self.direct = [(k, t.data_ptr()) for k, t in enumerate(inputs) if k not in self.moving]
         args = [self.staged.get(k, t) for k, t in enumerate(inputs)]   # (filled at each replay)
+        # outputs written into inputs read in place: the copies (done by step._bind otherwise, one
+        # launch each: 446 per GPT-2 step with AdamW) end the graph
+        written = {k: i for k, i in self.kept.items() if i not in self.staged}
+
+        def runner(*xs):
+            outs = list(self.runner(*xs))
+            for k, i in written.items():
+                target = xs[i]
+                if outs[k].data_ptr() != target.data_ptr():
+                    target.copy_(outs[k].reshape(target.shape))
+                outs[k] = target
+            return outs
+
         before = {name: getattr(METRICS, name) for name in _COUNTED}
-        graph, outputs = _capture_graph(self.runner, args, self.device)
+        graph, outputs = _capture_graph(runner, args, self.device)
         self.counted = {name: getattr(METRICS, name) - before[name] for name in _COUNTED}
         outputs = list(outputs)
         direct_storages = {inputs[k].untyped_storage().data_ptr() for k, _ in self.direct}

@@ -20,11 +20,17 @@ class _FakeGraph:
 
     def replay(self):
         for static, fresh in zip(self.outputs, self.runner(*self.args)):
-            static.copy_(fresh)
+            if static is not fresh:
+                static.copy_(fresh)
 
 
 def _fake_capture(runner, args, device):
-    outputs = [torch.full_like(o, float("nan")) for o in runner(*args)]   # nothing runs at capture
+    # nothing runs at capture: the runner sees copies (for the outputs' shapes), its writes are lost;
+    # an output that is an argument stays that argument
+    copies = [a.clone() for a in args]
+    same = {id(c): a for a, c in zip(args, copies)}
+    outputs = [same[id(o)] if id(o) in same else torch.full_like(o, float("nan"))
+               for o in runner(*copies)]
     return _FakeGraph(runner, args, outputs), outputs
 
 
@@ -44,7 +50,7 @@ def test_inputs_in_place_or_copied_in_outputs_cloned(fake_graphs):
         return [w * 2 + x.sum()]
 
     w = torch.randn(4)
-    g = graphs.StepGraph(runner, torch.device("cpu"), frozenset())
+    g = graphs.StepGraph(runner, torch.device("cpu"), {})
     kept = []
     for step in range(6):
         x = torch.full((3,), float(step))       # a new tensor each step, like a batch
@@ -62,7 +68,7 @@ def test_inputs_in_place_or_copied_in_outputs_cloned(fake_graphs):
 def test_an_input_that_moves_is_captured_again_then_given_up(fake_graphs):
     """An input read in place that moves is copied in from then on, after a new capture; when inputs
     keep moving (another one each step), the plan runs kernel by kernel."""
-    g = graphs.StepGraph(lambda *xs: [sum(xs)], torch.device("cpu"), frozenset())
+    g = graphs.StepGraph(lambda *xs: [sum(xs)], torch.device("cpu"), {})
     xs = [torch.full((2,), float(k)) for k in range(graphs.MAX_CAPTURES + 2)]
     for _ in range(3):
         g(xs)
@@ -76,15 +82,21 @@ def test_an_input_that_moves_is_captured_again_then_given_up(fake_graphs):
     assert "keep moving" in g.off and METRICS.cuda_graph_fallbacks
 
 
-def test_kept_outputs_are_not_cloned(fake_graphs):
-    """Outputs the step copies into its inputs' storages right away (`kept`) are handed out as the
-    graph's own buffers; the rest are cloned."""
-    g = graphs.StepGraph(lambda a: [a + 1, a * 2], torch.device("cpu"), frozenset({0}))
+def test_outputs_written_into_inputs_are_copied_by_the_graph(fake_graphs):
+    """An output the step writes into an input's storage (`kept`: a parameter's update) is copied there
+    by the graph itself and handed out as that input; the other outputs are cloned."""
+    g = graphs.StepGraph(lambda a: [a + 1, a * 2], torch.device("cpu"), {0: 0})
     a = torch.zeros(2)
-    for _ in range(4):
+    kept = []
+    for step in range(1, 6):
         first, second = g([a])
-    assert first.data_ptr() == g.outputs[0].data_ptr()
-    assert second.data_ptr() != g.outputs[1].data_ptr()
+        if first is not a:          # a run kernel by kernel: the step copies it (step._bind)
+            a.copy_(first)
+        torch.testing.assert_close(a, torch.full((2,), float(step)))
+        kept.append(second)
+    assert first is a and METRICS.cuda_graph_replays == 5 - graphs.CAPTURE_AT
+    for step, second in enumerate(kept):
+        torch.testing.assert_close(second, torch.full((2,), 2.0 * step))
 
 
 def test_a_failed_capture_runs_the_plan_and_is_counted(fake_graphs, monkeypatch):
@@ -92,7 +104,7 @@ def test_a_failed_capture_runs_the_plan_and_is_counted(fake_graphs, monkeypatch)
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(graphs, "_capture_graph", broken)
-    g = graphs.StepGraph(lambda a: [a + 1], torch.device("cpu"), frozenset())
+    g = graphs.StepGraph(lambda a: [a + 1], torch.device("cpu"), {})
     a = torch.zeros(2)
     with pytest.warns(UserWarning, match="could not be captured as a CUDA graph"):
         for _ in range(5):
