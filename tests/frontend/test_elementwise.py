@@ -109,3 +109,21 @@ def test_tan_as_accurate_as_eager() -> None:
     reference = torch.tan(x.double())
     finite = reference.isfinite()
     assert ((out - reference).abs() / reference.abs().clamp_min(1e-30))[finite].max() < 2e-7
+
+
+def test_bf16_rounding_between_float32_ops_stays_in_float32() -> None:
+    """Autocast rounds to bf16 between float32 ops (a masked fill in bf16 between a softmax's gradient
+    and a scale): the rounding is emitted as `reduce_precision` in float32 for the ops that widen it
+    again, so that IREE fuses it (it does not fuse a truncation into its consumers), with eager's values
+    to the bit, NaN, infinities, ties and values beyond bf16's range included."""
+    def fn(x, mask):
+        y = torch.where(mask, torch.zeros((), dtype=torch.bfloat16), x.to(torch.bfloat16))
+        return (y.float() * 0.125).to(torch.bfloat16), x.to(torch.bfloat16).float() + 1
+
+    x = torch.randn(64, 33) * 100
+    x[0, :6] = torch.tensor([float("nan"), float("inf"), -float("inf"), 3.4e38, 1 + 2 ** -8, 1e-40])
+    mask = torch.rand(64, 33) > 0.5
+    results, cluster = run_emitted(fn, x, mask)
+    for got, want in zip(results, fn(x, mask)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert "reduce_precision" in cluster.text
