@@ -381,9 +381,10 @@ class FunctionBuilder(RuntimeSizes):
                 x = self.op("stablehlo.reduce_precision", [x], x.type,
                             {"exponent_bits": "8 : i32", "mantissa_bits": "7 : i32"})  # type: ignore[assignment]
         out = self.unary("convert", x, x.type.with_dtype(dtype))
-        if dtype == torch.bfloat16 and x.dtype == torch.float32:
+        if dtype == torch.bfloat16 and x.dtype == torch.float32 and x.type.is_static:
             # the rounded values in float32, for a conversion back (autocast rounds to bf16 between
-            # float32 ops): IREE fuses this, not the truncation, with what follows; unused, it is dropped
+            # float32 ops): IREE fuses this, not the truncation, with what follows; unused, it is dropped.
+            # Static shapes only: IREE 3.13's input conversion crashes on a dynamic reduce_precision.
             self._wide[out.name] = self.op("stablehlo.reduce_precision", [x], x.type,
                                            {"exponent_bits": "8 : i32", "mantissa_bits": "7 : i32"})
         return out
