@@ -36,6 +36,7 @@ _SIGHTINGS: Counter = Counter()      # structural key -> steps that ran it eager
 
 def clear_plans() -> None:
     background.reset()
+    graphs.release_memory()
     _PLANS.clear()
     _SEEN_OPS.clear()
     _SIGHTINGS.clear()

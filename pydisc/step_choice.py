@@ -25,6 +25,7 @@ import torch
 
 from .config import CONFIG
 from .diagnostics import warn_once
+from .exec import graphs
 from .frontend.lazy_tensor import RECORDER
 from .frontend.release import release_all
 from .metrics import METRICS
@@ -102,6 +103,7 @@ def after_mark_step(key, cached: bool, device: torch.device | None) -> None:
     if _window_done(s, "compiled"):
         s.phase = "eager"
         RECORDER.passthrough = True
+        graphs.release_memory()     # eager steps need the memory a captured step holds
 
 
 def _window_done(s: _State, mode: str) -> bool:
@@ -130,6 +132,7 @@ def _decide(s: _State) -> None:
     METRICS.step_choice = "compiled %.2f ms, eager %.2f ms per step -> %s" % (
         1e3 * compiled, 1e3 * eager, "eager" if keep_eager else "compiled")
     if keep_eager:
+        graphs.release_memory()
         released, kept = release_all()
         RECORDER.released = True
         METRICS.step_choice += " (%d lazy tensors released to plain, %d kept lazy)" % (released, kept)

@@ -25,9 +25,12 @@ What a replay needs, and how it is kept safe:
 
 Each graph keeps the memory of its step (its own pool, as `torch.cuda.graph` does): the caching
 allocator's free blocks are handed back to the driver before a capture, so that the graph can take
-them. `PYDISC_CUDA_GRAPHS=0` turns this off.
+them, and `release_memory()` gives it back when steps run eagerly instead (the step choice's eager
+windows, eager kept for good). `PYDISC_CUDA_GRAPHS=0` turns this off.
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -35,12 +38,13 @@ from ..config import CONFIG
 from ..diagnostics import log, warn_once
 from ..metrics import METRICS
 
-__all__ = ["StepGraph", "run_plan"]
+__all__ = ["StepGraph", "release_memory", "run_plan"]
 
 CAPTURE_AT = 3      # the plan's run that is captured: its clusters measured themselves on the 2nd
 MAX_CAPTURES = 6    # captures per plan (each one stages the inputs that moved): then kernel by kernel
 _COUNTED = ("executions", "executions_torch_mlir", "direct_launches")   # what a replay repeats
 _STREAMS: dict = {}
+_LIVE: "weakref.WeakSet[StepGraph]" = weakref.WeakSet()
 
 
 def run_plan(plan, inputs: list, kept: dict, device: torch.device) -> list:
@@ -69,6 +73,14 @@ class StepGraph:
         self.outputs: list = []
         self.clone: list[bool] = []
         self.counted: dict[str, int] = {}
+        _LIVE.add(self)
+
+    def release(self) -> None:
+        """Give the graph's memory back; the plan is captured again on its next run."""
+        if self.graph is not None:
+            self.graph = self.outputs = None
+            self.staged = {}
+            self.captures -= 1       # (not a capture that an input's move caused)
 
     def __call__(self, inputs: list) -> list:
         self.calls += 1
@@ -149,6 +161,16 @@ class StepGraph:
         METRICS.cuda_graph_fallbacks[reason[:120]] += 1
         warn_once("cudagraph:" + reason[:80], "pydisc: a step could not be captured as a CUDA graph (%s); it runs "
                   "kernel by kernel, correct but with more host time per step" % reason)
+
+
+def release_memory() -> None:
+    """Free the memory that captured steps hold (each graph keeps its step's): when steps run eagerly
+    instead (the step choice's eager windows, or eager kept for good), eager needs that memory."""
+    released = [g for g in list(_LIVE) if g.graph is not None]
+    for g in released:
+        g.release()
+    if released:
+        torch.cuda.empty_cache()
 
 
 def _capture_graph(runner, args: list, device: torch.device):

@@ -99,6 +99,21 @@ def test_outputs_written_into_inputs_are_copied_by_the_graph(fake_graphs):
         torch.testing.assert_close(second, torch.full((2,), 2.0 * step))
 
 
+def test_released_memory_is_captured_again(fake_graphs):
+    """`release_memory` (eager windows of the step choice, eager kept) drops every graph; a plan that
+    runs again is captured again, and that capture does not count against `MAX_CAPTURES`."""
+    g = graphs.StepGraph(lambda a: [a * 3], torch.device("cpu"), {})
+    a = torch.ones(2)
+    for _ in range(graphs.CAPTURE_AT):
+        g([a])
+    for round in range(graphs.MAX_CAPTURES + 1):
+        assert g.graph is not None
+        graphs.release_memory()
+        assert g.graph is None and g.outputs is None
+        torch.testing.assert_close(g([a])[0], a * 3)
+    assert g.off is None and METRICS.cuda_graph_captures == graphs.MAX_CAPTURES + 2
+
+
 def test_a_failed_capture_runs_the_plan_and_is_counted(fake_graphs, monkeypatch):
     def broken(runner, args, device):
         raise RuntimeError("operation not permitted when stream is capturing")
