@@ -108,7 +108,8 @@ class StepGraph:
             self._capture(inputs)
         except Exception as exc:   # noqa: BLE001 - whatever breaks a capture, the plan still runs
             self.graph = None
-            self._give_up("%s: %s" % (type(exc).__name__, str(exc).strip().splitlines()[0][:200] if str(exc) else ""))
+            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+            self._give_up("%s: %s" % (type(exc).__name__, first))
             return self.runner(*inputs)
         return self._replay(inputs, counted=False)
 
@@ -204,11 +205,14 @@ def _end_generator_capture(device: torch.device) -> None:
     """After a capture that failed to end: torch's CUDA generator still counts its draws as captured
     (its state leaves capture mode only when a capture ends well), and every random op after it would
     fail. A capture of one small kernel, ended normally, puts it back."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.device(device), torch.cuda.stream(_stream(device)):
-        graph.capture_begin(capture_error_mode="thread_local")
-        torch.empty(1, device=device).zero_()
-        graph.capture_end()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.device(device), torch.cuda.stream(_stream(device)):
+            graph.capture_begin(capture_error_mode="thread_local")
+            torch.empty(1, device=device).zero_()
+            graph.capture_end()
+    except Exception:   # noqa: BLE001 - the capture's own error is the one to report
+        pass
 
 
 def _not_capturable(runner, device: torch.device) -> str | None:
