@@ -381,13 +381,27 @@ class FunctionBuilder(RuntimeSizes):
                 x = self.op("stablehlo.reduce_precision", [x], x.type,
                             {"exponent_bits": "8 : i32", "mantissa_bits": "7 : i32"})  # type: ignore[assignment]
         out = self.unary("convert", x, x.type.with_dtype(dtype))
-        if dtype == torch.bfloat16 and x.dtype == torch.float32 and x.type.is_static:
+        if dtype == torch.bfloat16 and x.dtype == torch.float32:
             # the rounded values in float32, for a conversion back (autocast rounds to bf16 between
-            # float32 ops): IREE fuses this, not the truncation, with what follows; unused, it is dropped.
-            # Static shapes only: IREE 3.13's input conversion crashes on a dynamic reduce_precision.
-            self._wide[out.name] = self.op("stablehlo.reduce_precision", [x], x.type,
-                                           {"exponent_bits": "8 : i32", "mantissa_bits": "7 : i32"})
+            # float32 ops): IREE fuses this, not the truncation, with what follows; unused, it is dropped
+            self._wide[out.name] = self.round_to_bf16(x)
         return out
+
+    def round_to_bf16(self, x: Value) -> Value:
+        """float32 `x` rounded to bf16's precision (nearest even, as torch), still as float32."""
+        if x.type.is_static:
+            return self.op("stablehlo.reduce_precision", [x], x.type,
+                           {"exponent_bits": "8 : i32", "mantissa_bits": "7 : i32"})  # type: ignore[return-value]
+        # IREE 3.13's input conversion crashes on a dynamic reduce_precision: the same rounding on the
+        # bits, as torch's c10::BFloat16 does it (NaN kept)
+        i32 = x.type.with_dtype(torch.int32)
+        bits = self.op("stablehlo.bitcast_convert", [x], i32)
+        lsb = self.binary("and", self.binary("shift_right_logical", bits, self.full(x.shape, 16, torch.int32)),
+                          self.full(x.shape, 1, torch.int32))
+        rounded = self.binary("add", bits, self.binary("add", lsb, self.full(x.shape, 0x7FFF, torch.int32)))
+        kept = self.binary("and", rounded, self.full(x.shape, -65536, torch.int32))
+        y = self.op("stablehlo.bitcast_convert", [kept], x.type)
+        return self.select(self.compare("NE", x, x), x, y)  # type: ignore[arg-type]
 
     def iota(self, shape: Sequence[Size], dim: int, dtype: torch.dtype) -> Value:
         if not is_static(shape):
