@@ -262,8 +262,7 @@ def _run(trace: Trace, target: LazyTensor | None) -> tuple:
             graphed = graphs.enabled(device)    # a plan for these shapes: replayed from a CUDA graph
     try:
         if graphed:
-            kept = {k: index for k, (kind, index) in enumerate(outputs) if kind == "base"}
-            results = graphs.run_plan(plan, call_inputs, kept, device)
+            results = graphs.run_plan(plan, call_inputs, outputs, device)
         else:
             results = plan.runner(*call_inputs)
         if perm is not None:

@@ -24,7 +24,7 @@ from torch._guards import detect_fake_mode
 from torch.fx.node import map_arg
 from torch.utils._pytree import tree_leaves
 
-from ..config import CONFIG
+from ..frontend.decompositions import library_ops_in_torch
 
 __all__ = ["MIN_MULTIPLY_ADDS", "pad_unaligned_matmuls", "pads_matmuls"]
 
@@ -41,8 +41,8 @@ _TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
 
 
 def pads_matmuls(device: torch.device) -> bool:
-    """Whether matmuls on `device` run in cuBLAS, the same policy as `partition._Support.library`."""
-    return device.type == "cuda" and CONFIG.gpu_matmul != "iree"
+    """Whether matmuls on `device` run in cuBLAS (and so are padded)."""
+    return library_ops_in_torch(device)
 
 
 def pad_unaligned_matmuls(gm: torch.fx.GraphModule, device: torch.device) -> int:

@@ -28,7 +28,7 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner, Partit
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 from torch.fx.passes.operator_support import OperatorSupportBase
 
-from ..config import CONFIG
+from ..frontend.decompositions import library_ops_in_torch
 
 __all__ = ["FX_PARTITIONER_MAX_NODES", "MAX_CLUSTER_NODES", "Partition", "add_torch_mlir_regions", "is_host_scalar",
            "partition_graph", "partition_regions"]
@@ -122,12 +122,11 @@ class _Support(OperatorSupportBase):
 
     def library(self, node: torch.fx.Node) -> bool:
         """Whether `node` runs in torch's libraries by choice on this device (matmuls, convolutions,
-        scatters whose coordinates may repeat, max pooling). frontend.decompositions.decompositions_for
-        keeps addmm and baddbmm whole under the same condition."""
+        softmaxes, scatters whose coordinates may repeat, max pooling)."""
         if node.op != "call_function" or self.device.type != "cuda":
             return False
         if node.target in LIBRARY_OPS:
-            return CONFIG.gpu_matmul != "iree"
+            return library_ops_in_torch(self.device)
         return node.target in SLOW_ON_GPU and not _parallel_scatter(node)
 
     def _transposes_for_library(self, node: torch.fx.Node) -> bool:

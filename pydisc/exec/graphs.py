@@ -47,12 +47,14 @@ _STREAMS: dict = {}
 _LIVE: "weakref.WeakSet[StepGraph]" = weakref.WeakSet()
 
 
-def run_plan(plan, inputs: list, kept: dict, device: torch.device) -> list:
+def run_plan(plan, inputs: list, outputs: tuple, device: torch.device) -> list:
     """Run `plan.runner` on `inputs`, through a CUDA graph from the plan's `CAPTURE_AT`th run on.
-    `kept`: output position -> the input whose storage the step writes it into (a parameter, an
-    optimizer's state). Inside the graph that copy is its last work, and the input itself is returned."""
+    `outputs` are the step's (step._select_outputs, the same for every run of a plan): a ("base", i)
+    output is written into input i's storage (a parameter, an optimizer's state); inside the graph that
+    copy is its last work, and the input itself is returned."""
     graph = plan.graph
     if graph is None:
+        kept = {k: index for k, (kind, index) in enumerate(outputs) if kind == "base"}
         graph = plan.graph = StepGraph(plan.runner, device, kept)
     return graph(inputs)
 

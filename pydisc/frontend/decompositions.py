@@ -309,8 +309,13 @@ _LIBRARY_TABLE: dict[OpOverload, Callable] = {
     op: fn for op, fn in DECOMPOSITIONS.items() if op._overloadpacket not in _KEPT_WHOLE}
 
 
+def library_ops_in_torch(device: torch.device) -> bool:
+    """Whether matmuls, convolutions and softmaxes of a step on `device` run in torch's libraries
+    between the clusters (cluster.partition.LIBRARY_OPS): on a GPU, unless PYDISC_GPU_MATMUL=iree. The
+    one test of that policy: the partition, this table and the matmul padding all follow it."""
+    return device.type == "cuda" and CONFIG.gpu_matmul != "iree"
+
+
 def decompositions_for(device: torch.device) -> dict[OpOverload, Callable]:
     """The decomposition table for a step on `device`."""
-    if device.type == "cuda" and CONFIG.gpu_matmul != "iree":
-        return _LIBRARY_TABLE
-    return DECOMPOSITIONS
+    return _LIBRARY_TABLE if library_ops_in_torch(device) else DECOMPOSITIONS

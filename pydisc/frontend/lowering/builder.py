@@ -370,6 +370,7 @@ class FunctionBuilder(RuntimeSizes):
         if x.dtype.is_floating_point and dtype in (torch.uint8, torch.int8, torch.int16):
             # torch (on x86) converts through a wide integer, so out-of-range values wrap around.
             x = self.unary("convert", x, x.type.with_dtype(torch.int64))
+        rounded = None
         if dtype in (torch.bfloat16, torch.float16) and x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             # torch builds a half from a float (c10::BFloat16/Half): integers and float64 round twice,
             # through float32
@@ -378,13 +379,12 @@ class FunctionBuilder(RuntimeSizes):
                 # rounded to bf16 in float32 first (round to nearest even, as torch): IREE's llvm-cpu
                 # folds int -> f32 -> bf16 into one int -> bf16 conversion that needs a runtime library
                 # function it does not link (__truncsfbf2)
-                x = self.op("stablehlo.reduce_precision", [x], x.type,
-                            {"exponent_bits": "8 : i32", "mantissa_bits": "7 : i32"})  # type: ignore[assignment]
+                x = rounded = self.round_to_bf16(x)
         out = self.unary("convert", x, x.type.with_dtype(dtype))
         if dtype == torch.bfloat16 and x.dtype == torch.float32:
             # the rounded values in float32, for a conversion back (autocast rounds to bf16 between
             # float32 ops): IREE fuses this, not the truncation, with what follows; unused, it is dropped
-            self._wide[out.name] = self.round_to_bf16(x)
+            self._wide[out.name] = rounded or self.round_to_bf16(x)
         return out
 
     def round_to_bf16(self, x: Value) -> Value:
