@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import sys
 import time
@@ -29,6 +30,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 # Lets `python bench/record_overhead.py` run from a checkout without installing pydisc.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Recording is what is timed: the measured step choice would switch these small CPU steps to eager.
+os.environ.setdefault("PYDISC_STEP_CHOICE", "off")
 import pydisc  # noqa: E402
 
 

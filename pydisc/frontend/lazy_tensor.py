@@ -4,9 +4,9 @@
 
 1. ops that need data (`.item()`, `bool()`, a copy to another device, a write into an eager tensor) run
    eagerly on materialized inputs;
-2. `_foreach_*` ops are split per tensor and Python scalars that vary between steps (learning rates,
-   bias corrections) become lifted scalar inputs (`frontend/rewrites.py`), so one compiled step serves
-   every value;
+2. rewrites: Python scalars that vary between steps (learning rates, bias corrections) become lifted
+   scalar inputs (`frontend/rewrites.py`), so one compiled step serves every value, and a `_foreach_*`
+   op becomes one entry that runs per tensor when replayed (`frontend/foreach.py`);
 3. views of materialized tensors are taken at once on the device data;
 4. everything else is recorded, with output metadata from torch's meta kernels (cached per op and input
    layout), and falls back to eager when no meta kernel can say what the output looks like.
@@ -29,7 +29,7 @@ from .symbolic import SymArg, SymbolicStep, hint
 from .trace import VALUE_REFS, VALUE_SIGS, Entry, LazyStorage, Trace, ValueRef, out_kind
 
 __all__ = ["StrictModeError", "LazyTensor", "is_lazy", "to_lazy", "materialize", "current_trace", "set_executor", "Recorder",
-           "LiftedScalar", "RECORDER"]
+           "LiftedScalar", "liftable", "RECORDER"]
 
 aten = torch.ops.aten
 METRICS = _metrics.METRICS
@@ -46,6 +46,16 @@ class LiftedScalar:
 
     def __init__(self, value: float) -> None:
         self.value = value
+
+
+_LIFTABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def liftable(t, value) -> bool:
+    """Can the Python float `value`, an operand of an arithmetic op on `t`, become a `LiftedScalar`?"""
+    # a 0-d half tensor times a 0-d float32 tensor would promote to float32, unlike times a Python float
+    return isinstance(t, LazyTensor) and type(value) is float and \
+        (t.dtype is torch.float32 or (t.dtype in _LIFTABLE_DTYPES and t.dim() > 0))
 
 
 def _flat_base(t: torch.Tensor) -> torch.Tensor:
@@ -570,7 +580,17 @@ class Recorder:
             return VALUE_REFS[vid]
         if t is list or t is tuple or t is torch.Size:
             sig.append(("list", len(a)))
-            return [self.encode(x, sig, reads) for x in a]
+            items = []
+            epoch = self.trace.epoch
+            for x in a:     # lazy tensors inline: a foreach op's lists hold one per parameter
+                if type(x) is LazyTensor:
+                    vid = x._vid if x._epoch == epoch else self.ref(x).vid
+                    sig.append(VALUE_SIGS[vid])
+                    reads.append(x._storage)
+                    items.append(VALUE_REFS[vid])
+                else:
+                    items.append(self.encode(x, sig, reads))
+            return items
         if t is LiftedScalar:
             sig.append("scalar")
             return self.trace.add_scalar(a.value)
@@ -850,7 +870,10 @@ def _key_part(a):
     if t is list or t is tuple:
         parts = [t]
         for x in a:
-            if type(x) is int:
+            tx = type(x)
+            if tx is LazyTensor:
+                parts.append(x._mk)
+            elif tx is int:
                 parts.append(x)
             else:
                 parts.append(_key_part(x))

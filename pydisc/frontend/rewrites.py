@@ -4,8 +4,9 @@
   baked into the compiled code as constants, so a learning-rate schedule would recompile every step.
   They are lifted: recorded as scalar inputs of the step (0-d float32 tensors at run time), the way
   PyTorch/XLA uploads scalars as device data.
-- `_foreach_*` ops are split into one op per tensor: the lowering rules then need no foreach variants,
-  and per-tensor scalars of `ScalarList` overloads are lifted like any other.
+- `_foreach_*` ops are recorded as one entry that runs per tensor when replayed (`frontend/foreach.py`):
+  the lowering rules then need no foreach variants, and per-tensor scalars of `ScalarList` overloads are
+  lifted like any other.
 - `native_batch_norm` (and on CUDA `cudnn_batch_norm`) writes its running statistics without saying
   so in its schema; it is recorded as `_native_batch_norm_legit`, whose schema declares the writes, so
   functionalization sees them.
@@ -17,20 +18,12 @@ import math
 import torch
 from torch.utils._mode_utils import no_dispatch
 
-from .lazy_tensor import RECORDER, LazyTensor, LiftedScalar, _opinfo
+from .foreach import optimizers_take_their_foreach_path, record_foreach
+from .lazy_tensor import RECORDER, LazyTensor, LiftedScalar, _opinfo, liftable
 
 __all__ = ["install_rewrites"]
 
 aten = torch.ops.aten
-_LIFTABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _liftable(t, value) -> bool:
-    # a 0-d half tensor times a 0-d float32 tensor would promote to float32, unlike times a Python float
-    return isinstance(t, LazyTensor) and type(value) is float and \
-        (t.dtype is torch.float32 or (t.dtype in _LIFTABLE_DTYPES and t.dim() > 0))
-
-
 def _record(func, *args, **kwargs):
     return RECORDER.record(func, args, kwargs, _opinfo(func))
 
@@ -38,7 +31,7 @@ def _record(func, *args, **kwargs):
 def _binary_scalar(tensor_op):
     """`op(x, 0.9)` / `op.Scalar(x, 0.9)` -> `op.Tensor(x, lifted)`."""
     def rewrite(func, args, kwargs):
-        if len(args) != 2 or kwargs.get("alpha", 1) != 1 or not _liftable(args[0], args[1]):
+        if len(args) != 2 or kwargs.get("alpha", 1) != 1 or not liftable(args[0], args[1]):
             return NotImplemented
         return _record(tensor_op, args[0], LiftedScalar(args[1]))
     return rewrite
@@ -48,7 +41,7 @@ def _alpha(tensor_op):
     """`add(a, b, alpha=s)` -> `add(a, mul(b, lifted))`."""
     def rewrite(func, args, kwargs):
         alpha = kwargs.get("alpha", 1)
-        if len(args) != 2 or alpha == 1 or not isinstance(args[1], torch.Tensor) or not _liftable(args[0], alpha) \
+        if len(args) != 2 or alpha == 1 or not isinstance(args[1], torch.Tensor) or not liftable(args[0], alpha) \
                 or args[1].dtype != args[0].dtype or args[1].device != args[0].device:
             return NotImplemented
         scaled = _record(aten.mul.Tensor, args[1], LiftedScalar(alpha))
@@ -58,7 +51,7 @@ def _alpha(tensor_op):
 
 def _lerp(tensor_op):
     def rewrite(func, args, kwargs):
-        if len(args) != 3 or not isinstance(args[1], LazyTensor) or not _liftable(args[0], args[2]):
+        if len(args) != 3 or not isinstance(args[1], LazyTensor) or not liftable(args[0], args[2]):
             return NotImplemented
         return _record(tensor_op, args[0], args[1], LiftedScalar(args[2]))
     return rewrite
@@ -69,7 +62,7 @@ def _addc(combine, add_op):
     def rewrite(func, args, kwargs):
         value = kwargs.get("value", args[3] if len(args) > 3 else 1)
         s, a, b = args[:3]
-        if not (isinstance(a, LazyTensor) and isinstance(b, LazyTensor)) or not _liftable(s, value) \
+        if not (isinstance(a, LazyTensor) and isinstance(b, LazyTensor)) or not liftable(s, value) \
                 or a.shape != b.shape:
             return NotImplemented
         if combine is aten.mul.Tensor:      # s + (v * a) * b
@@ -78,53 +71,6 @@ def _addc(combine, add_op):
             term = _record(aten.mul.Tensor, _record(combine, a, b), LiftedScalar(value))
         return _record(add_op, s, term)
     return rewrite
-
-
-def _foreach(func, args, kwargs):
-    """`_foreach_op(list, ...)` -> one `op` per element (per-element scalars of ScalarList overloads)."""
-    name = func._schema.name.split("::")[1][len("_foreach_"):]
-    packet = getattr(aten, name, None)
-    if packet is None:
-        return NotImplemented
-    lists = [i for i, a in enumerate(args) if isinstance(a, (list, tuple))]
-    n = len(args[lists[0]])
-    results = []
-    for k in range(n):
-        elem_args = [a[k] if i in lists else a for i, a in enumerate(args)]
-        elem_kwargs = kwargs
-        if name.startswith("addc") and len(elem_args) > 3:   # foreach passes `value` positionally
-            elem_kwargs = dict(kwargs, value=elem_args.pop())
-        if not any(type(a) is LazyTensor for a in elem_args):
-            results.append(packet(*elem_args, **elem_kwargs))    # no lazy tensor: torch runs it
-            continue
-        # the element's overload (add(t, 0.5) is add.Tensor with a float), resolved once per argument
-        # types as torch's dispatcher would (dynamo's way); the element then goes to the recorder
-        # directly, without torch's dispatch into the subclass (about half the cost of recording an op)
-        key = (func, tuple(type(a) for a in elem_args), tuple(elem_kwargs))
-        op = _ELEMENT_OPS.get(key)
-        if op is None:
-            overload = torch._C._jit_resolve_packet(packet._qualified_op_name, *elem_args, **elem_kwargs)
-            op = _ELEMENT_OPS[key] = getattr(packet, overload)
-        results.append(RECORDER.dispatch(op, tuple(elem_args), elem_kwargs))
-    if not func._schema.returns:
-        return None
-    return results
-
-
-def _optimizers_take_their_foreach_path() -> None:
-    """torch's optimizers pick their multi-tensor (foreach) implementation, the default on CUDA, only for
-    plain tensors (`torch.optim.optimizer._foreach_supported_types`); a lazy parameter took the
-    per-parameter loop. Listed there, it takes the path eager takes on its device, which records at half
-    the cost: an AdamW step over 148 parameters, 27 vs 53 ms on the CPU (`_foreach`)."""
-    import torch.optim.optimizer as optimizer_module   # torch.optim deletes its `optimizer` attribute
-
-    types = getattr(optimizer_module, "_foreach_supported_types", None)
-    if isinstance(types, list) and LazyTensor not in types:
-        types.append(LazyTensor)
-
-
-# (foreach op, element argument types, keyword names) -> the element's OpOverload
-_ELEMENT_OPS: dict[tuple, object] = {}
 
 
 def _batch_norm(func, args, kwargs):
@@ -263,8 +209,8 @@ def install_rewrites() -> None:
         add = getattr(aten, "add" + inplace).Tensor
         r[getattr(aten, "addcmul" + inplace).default] = _addc(aten.mul.Tensor, add)
         r[getattr(aten, "addcdiv" + inplace).default] = _addc(aten.div.Tensor, add)
-    RECORDER.foreach_rewrite = _foreach     # matched by name: aten's namespace loads ops lazily
-    _optimizers_take_their_foreach_path()
+    RECORDER.foreach_rewrite = record_foreach     # matched by name: aten's namespace loads ops lazily
+    optimizers_take_their_foreach_path()
     r[aten.native_batch_norm.default] = _batch_norm
     r[aten._native_batch_norm_legit.default] = _batch_norm_eval_cpu
     r[aten._native_batch_norm_legit_no_training.default] = _batch_norm_eval_cpu

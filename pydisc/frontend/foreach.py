@@ -1,0 +1,221 @@
+"""Recording torch's multi-tensor (`_foreach_*`) ops.
+
+An optimizer step is a handful of foreach ops over every parameter: AdamW's is about ten, over 148
+tensors for a BERT-base model. Recorded per element, that is some 1,500 entries per step, a third of
+the step's recording. So a foreach op whose lists hold only lazy tensors is recorded as *one* entry:
+its function is a `SplitForeach`, which runs the op one element at a time when the trace is replayed
+(traced for the compiler, or eagerly). The compiled graph is the same either way; only recording is
+cheaper.
+
+Python floats that vary between steps (learning rates, Adam's per-step bias corrections, which arrive
+as a `ScalarList`) are lifted into scalar inputs, exactly where the per-element rewrites of
+`frontend/rewrites.py` lift them (`mul`/`div` scalars, `add`/`sub` alphas, `lerp` weights, `addcmul`/
+`addcdiv` values), and replayed as those rewrites record them. A call that does not fit (an eager
+tensor in a list, a float that cannot be lifted for every element, a symbolic size) is split while
+recording, each element going to the recorder as an op of its own.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .lazy_tensor import RECORDER, LazyTensor, LiftedScalar, Recipe, _opinfo, _symbolic_args, liftable
+
+__all__ = ["SplitForeach", "record_foreach", "optimizers_take_their_foreach_path"]
+
+aten = torch.ops.aten
+_LIFTING = {"mul", "div", "add", "sub", "lerp", "addcmul", "addcdiv"}
+
+
+def _element_name(func) -> str:
+    return func._schema.name.split("::")[1][len("_foreach_"):]
+
+
+def _is_list(a) -> bool:
+    return type(a) is list or type(a) is tuple
+
+
+class SplitForeach:
+    """The function of a foreach op's entry: the op, element by element, where a 0-d tensor stands for
+    each lifted float (so a lifted `addcdiv` value is the `add(s, mul(div(a, b), v))` that the rewrite
+    records for one element, in eager's order)."""
+
+    def __init__(self, func) -> None:
+        self.func = func
+        self.name = _element_name(func)
+        self.base = self.name.rstrip("_")
+        self.packet = getattr(aten, self.name)
+        self.returns = bool(func._schema.returns)
+
+    def __repr__(self) -> str:
+        return "split(%s)" % self.func
+
+    def __call__(self, *args, **kwargs):
+        lists = [i for i, a in enumerate(args) if _is_list(a)]
+        results = []
+        for k in range(len(args[lists[0]])):
+            results.append(self.element([a[k] if i in lists else a for i, a in enumerate(args)], kwargs))
+        return results if self.returns else None
+
+    def element(self, args: list, kwargs: dict):
+        inplace = self.name.endswith("_")
+        add = aten.add_.Tensor if inplace else aten.add.Tensor
+        if self.base in ("addcmul", "addcdiv"):
+            value = args.pop() if len(args) > 3 else kwargs.get("value", 1)
+            if isinstance(value, torch.Tensor):
+                s, a, b = args
+                if self.base == "addcmul":
+                    return add(s, aten.mul.Tensor(aten.mul.Tensor(a, value), b))
+                return add(s, aten.mul.Tensor(aten.div.Tensor(a, b), value))
+            return self.packet(*args, **dict(kwargs, value=value))
+        alpha = kwargs.get("alpha")
+        if isinstance(alpha, torch.Tensor):
+            op = getattr(aten, self.name).Tensor
+            return op(args[0], aten.mul.Tensor(args[1], alpha))
+        return self.packet(*args, **kwargs)
+
+
+_SPLITS: dict[int, SplitForeach] = {}     # id(foreach OpOverload) -> its entries' function
+
+
+def _lift_one(selves: list, value, ok) -> Any:
+    """`value` (a float, or one float per element) lifted, if `ok(self_k, value_k)` holds for every
+    element; the value itself if nothing is a float; None if only some elements could lift it."""
+    if _is_list(value):
+        if not any(type(v) is float for v in value):
+            return value
+        if all(ok(s, v) for s, v in zip(selves, value)):
+            return [LiftedScalar(v) for v in value]
+        return None
+    if type(value) is not float:
+        return value
+    if all(ok(s, value) for s in selves):
+        return LiftedScalar(value)
+    return None
+
+
+def _lifted(base: str, args: list, kwargs: dict) -> tuple[list, dict] | None:
+    """The arguments with the floats lifted that the per-element rewrites lift; None where they would
+    lift them for some elements only (then the op is split while recording)."""
+    selves = args[0]
+    if base in ("mul", "div"):
+        if len(args) == 2 and "alpha" not in kwargs:
+            args[1] = _lift_one(selves, args[1], liftable)
+    elif base in ("add", "sub"):
+        alpha = kwargs.get("alpha", 1)
+        if type(alpha) is float and alpha != 1 and len(args) == 2 and _is_list(args[1]):
+            same = all(isinstance(o, torch.Tensor) and o.dtype == s.dtype and o.device == s.device
+                       for s, o in zip(selves, args[1]))
+            kwargs["alpha"] = _lift_one(selves, alpha, liftable) if same else alpha
+            if kwargs["alpha"] is None:
+                return None
+    elif base == "lerp":
+        if len(args) == 3:
+            args[2] = _lift_one(selves, args[2], liftable)
+    elif base in ("addcmul", "addcdiv"):
+        if len(args) > 3 and isinstance(args[3], torch.Tensor):
+            return None                     # one value per element, in a tensor
+        if len(args) > 3:
+            same = all(a.shape == b.shape for a, b in zip(args[1], args[2]))
+            args[3] = _lift_one(selves, args[3], liftable) if same else args[3]
+        elif "value" in kwargs:
+            return None
+    if any(a is None for a in args):
+        return None
+    return args, kwargs
+
+
+def _whole(func, args, kwargs):
+    """Record `func` as one entry, or NotImplemented."""
+    lists = [a for a in args if _is_list(a)]
+    if not lists or not all(type(x) is LazyTensor for a in lists for x in a
+                            if not (type(x) is float or type(x) is int)):
+        return NotImplemented
+    for a in args:
+        # a tensor beside the lists must be one value for every element (`_foreach_mul_.Tensor`)
+        if isinstance(a, torch.Tensor) and (type(a) is not LazyTensor or a.dim() != 0):
+            return NotImplemented
+    if any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+        return NotImplemented
+    if RECORDER.symbolic is not None and _symbolic_args(args, kwargs):
+        return NotImplemented
+    base = _element_name(func).rstrip("_")
+    enc_args, enc_kwargs = list(args), dict(kwargs)
+    if base in _LIFTING:
+        lifted = _lifted(base, enc_args, enc_kwargs)
+        if lifted is None:
+            return NotImplemented
+        enc_args, enc_kwargs = lifted
+    info = _opinfo(func)
+    recorder = RECORDER
+    key = recorder.meta_key(func, enc_args, enc_kwargs)
+    recipe = recorder.meta_cache.get(key)
+    if recipe is None:
+        try:
+            # the op's own meta kernel, on the floats themselves (a ScalarList takes no tensors)
+            kind, descs = recorder.compute_meta(func, args, kwargs)
+        except Exception:
+            return NotImplemented
+        recipe = recorder.meta_cache[key] = Recipe(info, enc_args, enc_kwargs, kind, descs)
+    split = _SPLITS.get(id(func))
+    if split is None:
+        split = _SPLITS[id(func)] = SplitForeach(func)
+    return recorder._record(split, tuple(enc_args), enc_kwargs, info, recipe, None)
+
+
+def _split(func, args, kwargs):
+    """`_foreach_op(list, ...)` -> one `op` per element (per-element scalars of ScalarList overloads)."""
+    name = _element_name(func)
+    packet = getattr(aten, name, None)
+    if packet is None:
+        return NotImplemented
+    lists = [i for i, a in enumerate(args) if _is_list(a)]
+    n = len(args[lists[0]])
+    results = []
+    for k in range(n):
+        elem_args = [a[k] if i in lists else a for i, a in enumerate(args)]
+        elem_kwargs = kwargs
+        if name.startswith("addc") and len(elem_args) > 3:   # foreach passes `value` positionally
+            elem_kwargs = dict(kwargs, value=elem_args.pop())
+        if not any(type(a) is LazyTensor for a in elem_args):
+            results.append(packet(*elem_args, **elem_kwargs))    # no lazy tensor: torch runs it
+            continue
+        # the element's overload (add(t, 0.5) is add.Tensor with a float), resolved once per argument
+        # types as torch's dispatcher would (dynamo's way); the element then goes to the recorder
+        # directly, without torch's dispatch into the subclass (about half the cost of recording an op)
+        key = (func, tuple(type(a) for a in elem_args), tuple(elem_kwargs))
+        op = _ELEMENT_OPS.get(key)
+        if op is None:
+            overload = torch._C._jit_resolve_packet(packet._qualified_op_name, *elem_args, **elem_kwargs)
+            op = _ELEMENT_OPS[key] = getattr(packet, overload)
+        results.append(RECORDER.dispatch(op, tuple(elem_args), elem_kwargs))
+    if not func._schema.returns:
+        return None
+    return results
+
+
+# (foreach op, element argument types, keyword names) -> the element's OpOverload
+_ELEMENT_OPS: dict[tuple, object] = {}
+
+
+def record_foreach(func, args, kwargs):
+    """The foreach rewrite: one entry where it can, one op per element where it cannot."""
+    if getattr(aten, _element_name(func), None) is None:
+        return NotImplemented
+    result = _whole(func, args, kwargs)
+    if result is NotImplemented:
+        return _split(func, args, kwargs)
+    return result
+
+
+def optimizers_take_their_foreach_path() -> None:
+    """torch's optimizers pick their multi-tensor (foreach) implementation, the default on CUDA, only for
+    plain tensors (`torch.optim.optimizer._foreach_supported_types`); a lazy parameter took the
+    per-parameter loop. Listed there, it takes the path eager takes on its device, which records at a
+    fraction of the cost: one entry per foreach op instead of one per parameter and op."""
+    import torch.optim.optimizer as optimizer_module   # torch.optim deletes its `optimizer` attribute
+
+    types = getattr(optimizer_module, "_foreach_supported_types", None)
+    if isinstance(types, list) and LazyTensor not in types:
+        types.append(LazyTensor)
