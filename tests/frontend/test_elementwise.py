@@ -129,6 +129,20 @@ def test_bf16_rounding_between_float32_ops_stays_in_float32() -> None:
     assert "reduce_precision" in cluster.text
 
 
+def test_bf16_rounding_survives_views() -> None:
+    """A rounded bf16 value that is reshaped or transposed before it is widened again keeps its
+    rounding (on a one-element tensor, IREE 3.13's llvm-cpu folds the widening of a reshaped
+    truncation into the float32 value: a foreach update of 0-d bf16 tensors came out one step off)."""
+    def fn(x):
+        y = x.to(torch.bfloat16)
+        return y.reshape(-1).float() * 0.75, y.view(()).float() + 1, y.t().float()
+
+    x = torch.tensor([[123.456]])
+    results, _ = run_emitted(fn, x)
+    for got, want in zip(results, fn(x)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_bf16_rounding_with_dynamic_sizes_compiles() -> None:
     """The same rounding in a cluster with dynamic dims, where IREE 3.13 crashes on reduce_precision:
     done on the bits instead, compiled (not left to eager), with eager's values to the bit."""

@@ -304,6 +304,9 @@ class FunctionBuilder(RuntimeSizes):
         return self.broadcast_in_dim(x, shape, range(offset, len(shape)))
 
     def reshape(self, x: Value, shape: Sequence[Size]) -> Value:
+        return self._moved_wide(x, self._reshape(x, shape), lambda wide: self._reshape(wide, shape))
+
+    def _reshape(self, x: Value, shape: Sequence[Size]) -> Value:
         spec = TensorSpec(tuple(shape), x.dtype)
         if spec == x.type:
             return x
@@ -352,9 +355,17 @@ class FunctionBuilder(RuntimeSizes):
         if list(perm) == list(range(x.rank)):
             return x
         shape = tuple(x.shape[p] for p in perm)
-        return self.op(
-            "stablehlo.transpose", [x], x.type.with_shape(shape), {"permutation": _i64_array(perm)}
-        )
+        out = self.op("stablehlo.transpose", [x], x.type.with_shape(shape), {"permutation": _i64_array(perm)})
+        return self._moved_wide(x, out, lambda wide: self.transpose(wide, perm))  # type: ignore[arg-type]
+
+    def _moved_wide(self, x: Value, out: Value, move: Callable[[Value], Value]) -> Value:
+        """`out` moves the data of `x`: if `x` has a float32 form (a bf16 rounding), `out` gets it moved
+        the same way. Across a reshape IREE 3.13's llvm-cpu folds the widening of the rounded bf16 value
+        into the float32 value before it, dropping the rounding."""
+        wide = self._wide.get(x.name)
+        if wide is not None and out.name != x.name:
+            self._wide[out.name] = move(wide)
+        return out
 
     def convert(self, x: Value, dtype: torch.dtype) -> Value:
         """dtype conversion with torch semantics (to bool means `!= 0`; float to int truncates)."""
