@@ -72,7 +72,10 @@ SERIAL_SCATTERS = {aten.index_put.default, aten.scatter.src, aten.scatter.value,
 # Max pooling with indices (a variadic reduce_window): every cluster that held it lost to its ops run
 # eagerly on the H200 (small CNN 140 vs 89 us, ResNet-18's stem 13.1 vs 3.4 ms), taking the ops
 # fused with it along; in torch (cuDNN) on a GPU.
-SLOW_ON_GPU = SERIAL_SCATTERS | {aten.max_pool2d_with_indices.default}
+# A concatenation: IREE 3.13 copies each piece with a dispatch of its own (`slow_memcpy`, not
+# vectorized): GPT-2's attention gradients (q, k, v into one tensor) took 6 dispatches of 120 us per
+# layer on the H200, against one 145 us kernel in torch.
+SLOW_ON_GPU = SERIAL_SCATTERS | {aten.max_pool2d_with_indices.default, aten.cat.default}
 
 
 def _parallel_scatter(node: torch.fx.Node) -> bool:
@@ -122,7 +125,7 @@ class _Support(OperatorSupportBase):
 
     def library(self, node: torch.fx.Node) -> bool:
         """Whether `node` runs in torch's libraries by choice on this device (matmuls, convolutions,
-        softmaxes, scatters whose coordinates may repeat, max pooling)."""
+        softmaxes, scatters whose coordinates may repeat, max pooling, concatenations)."""
         if node.op != "call_function" or self.device.type != "cuda":
             return False
         if node.target in LIBRARY_OPS:

@@ -175,7 +175,8 @@ def test_on_a_gpu_scatters_that_may_repeat_coordinates_run_in_torch(monkeypatch)
     # IREE runs such a scatter on one GPU thread: the embedding gradient (index_put with accumulate) and
     # scatter_add with repeated indices stay in torch on CUDA; a scatter of one element per row (the
     # nll_loss backward) is lowered as a parallel one-hot select and stays in the cluster; max pooling
-    # with indices lost to eager in every cluster measured on the H200 and runs in torch there too
+    # with indices lost to eager in every cluster measured on the H200 and runs in torch there too, as
+    # does a concatenation (one unvectorized copy dispatch per piece in IREE)
     monkeypatch.setattr(partition_module, "_device_reason", lambda node, device: None)  # CPU-traced graph
 
     def fn(w, idx, grad, target, logits, image):
@@ -183,12 +184,13 @@ def test_on_a_gpu_scatters_that_may_repeat_coordinates_run_in_torch(monkeypatch)
         s = torch.zeros(4, 6).scatter_add(1, idx.view(4, 2) % 6, grad[:, :2])
         one = torch.zeros_like(logits).scatter(1, target.unsqueeze(1), -1.0)
         pooled, _ = torch.ops.aten.max_pool2d_with_indices(image, [2, 2], [2, 2])
-        return g.exp(), s.exp(), one.exp(), pooled.exp()
+        return g.exp(), s.exp(), one.exp(), pooled.exp(), torch.cat([w.exp(), grad], 0).exp()
 
     gm = _graph(fn, torch.randn(10, 3), torch.randint(0, 10, (8,)), torch.randn(8, 3), torch.randint(0, 5, (4,)),
                 torch.randn(4, 5), torch.randn(1, 2, 4, 4))
-    targets = {aten.index_put.default, aten.scatter_add.default, aten.scatter.value, aten.max_pool2d_with_indices.default}
-    slow = {aten.index_put.default, aten.scatter_add.default, aten.max_pool2d_with_indices.default}
+    targets = {aten.index_put.default, aten.scatter_add.default, aten.scatter.value, aten.max_pool2d_with_indices.default,
+               aten.cat.default}
+    slow = {aten.index_put.default, aten.scatter_add.default, aten.max_pool2d_with_indices.default, aten.cat.default}
     for device, in_torch in ((torch.device("cuda"), slow),
                              (CPU, set())):
         support = partition_module._Support(device, lambda node: None, {})
