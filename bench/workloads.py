@@ -534,9 +534,9 @@ def main(argv=None) -> int:
     p.add_argument("--only", default="", help="comma-separated workloads (default: all): " +
                    ", ".join(workloads(True, 1)))
     p.add_argument("--tiny", action="store_true", help="tiny sizes, to check the harness")
-    p.add_argument("--warmup", type=int, default=25, help="steps before timing: pydisc runs a new graph eagerly "
+    p.add_argument("--warmup", type=int, default=30, help="steps before timing: pydisc runs a new graph eagerly "
                    "once, compiles it on its 2nd run, measures its clusters (their 2nd call) and, with "
-                   "PYDISC_STEP_CHOICE, whole steps (4 windows of 4 steps: done by step 22)")
+                   "PYDISC_STEP_CHOICE, whole steps (4 windows of 1 + 4 steps: done by step 29)")
     p.add_argument("--blocks", type=int, default=5)
     p.add_argument("--block", type=int, default=4)
     p.add_argument("--varlen-steps", type=int, default=200)

@@ -8,7 +8,10 @@ measured choices made), windows of `WINDOW` steps are timed, `ROUNDS` per mode, 
 compiled, then with the recorder in pass-through (every op runs in torch at once,
 `Recorder.passthrough`), and again. Each window is timed as a whole, synchronised at its ends only,
 as a training loop runs: a step's recording overlaps the device's work on the step before, in both
-modes. The fastest window of each mode counts. If eager was faster, pass-through stays on for the
+modes. A window's timer starts after its first step, which is not timed: the switch of modes
+happens there (a compiled step is captured as a CUDA graph again after the eager window gave the
+graph's memory back, `exec/graphs.py`), which a training loop pays once, not every few steps. The
+fastest window of each mode counts. If eager was faster, pass-through stays on for the
 rest of the process: warned once, in `metrics()["step_choice"]` and the report, and the live lazy
 tensors are released (`frontend/release.py`: each becomes, in place, a plain tensor of its data), so
 that the ops of later steps run in torch without entering pydisc at all. Otherwise the compiled steps
@@ -33,7 +36,7 @@ from .metrics import METRICS
 __all__ = ["after_mark_step", "distributed", "holds_passthrough", "reset"]
 
 WARM = 3        # cached runs in a row before measuring
-WINDOW = 4      # steps per timed window
+WINDOW = 4      # steps per timed window (after one untimed step)
 ROUNDS = 2      # windows per mode, taking turns: compiled, eager, compiled, eager
 
 
@@ -42,8 +45,8 @@ class _State:
         self.phase = "idle"        # idle -> compiled <-> eager -> decided
         self.streak = 0            # cached runs in a row
         self.device: torch.device | None = None
-        self.started = 0.0         # when the window being timed started (synchronised)
-        self.steps = 0             # steps of that window so far
+        self.started = 0.0         # when the timed part of the window started (synchronised)
+        self.steps = 0             # steps of that window so far, its untimed first step included
         self.times: dict[str, list[float]] = {"compiled": [], "eager": []}   # seconds per step, per window
 
 
@@ -98,7 +101,6 @@ def after_mark_step(key, cached: bool, device: torch.device | None) -> None:
     if s.phase == "idle":
         if s.streak >= WARM:
             s.phase, s.device, s.steps = "compiled", device, 0
-            s.started = _now(device)
         return
     if _window_done(s, "compiled"):
         s.phase = "eager"
@@ -107,13 +109,16 @@ def after_mark_step(key, cached: bool, device: torch.device | None) -> None:
 
 
 def _window_done(s: _State, mode: str) -> bool:
-    """Count a step of `mode`; at the end of its window, its time per step (and the next window starts)."""
+    """Count a step of `mode`; at the end of its window, its time per step (and the next window starts).
+    The timer starts once the window's first step is done."""
     s.steps += 1
-    if s.steps < WINDOW:
+    if s.steps == 1:
+        s.started = _now(s.device)
         return False
-    now = _now(s.device)
-    s.times[mode].append((now - s.started) / WINDOW)
-    s.started, s.steps = now, 0
+    if s.steps <= WINDOW:
+        return False
+    s.times[mode].append((_now(s.device) - s.started) / WINDOW)
+    s.steps = 0
     return True
 
 
