@@ -59,8 +59,7 @@ class SplitForeach:
         return results if self.returns else None
 
     def element(self, args: list, kwargs: dict):
-        inplace = self.name.endswith("_")
-        add = aten.add_.Tensor if inplace else aten.add.Tensor
+        add = aten.add_.Tensor if self.name.endswith("_") else aten.add.Tensor
         if self.base in ("addcmul", "addcdiv"):
             value = args.pop() if len(args) > 3 else kwargs.get("value", 1)
             if isinstance(value, torch.Tensor):
@@ -71,8 +70,7 @@ class SplitForeach:
             return self.packet(*args, **dict(kwargs, value=value))
         alpha = kwargs.get("alpha")
         if isinstance(alpha, torch.Tensor):
-            op = getattr(aten, self.name).Tensor
-            return op(args[0], aten.mul.Tensor(args[1], alpha))
+            return self.packet.Tensor(args[0], aten.mul.Tensor(args[1], alpha))
         return self.packet(*args, **kwargs)
 
 

@@ -24,6 +24,8 @@ from .lazy_tensor import RECORDER, LazyTensor, LiftedScalar, _opinfo, liftable
 __all__ = ["install_rewrites"]
 
 aten = torch.ops.aten
+
+
 def _record(func, *args, **kwargs):
     return RECORDER.record(func, args, kwargs, _opinfo(func))
 
