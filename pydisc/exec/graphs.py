@@ -9,10 +9,11 @@ current stream, exec/direct) and every later run of the plan is one `replay()`: 
 as soon as the step is queued.
 
 What a replay needs, and how it is kept safe:
-- Inputs at the addresses the graph was captured with. An input found at the same address on two
+- Inputs at the addresses the graph was captured with. An input found in the same memory on two
   runs in a row (parameters, optimizer state: written in place by each step) is read where it lives;
-  any other (the batch, the step's scalars) is copied into a buffer of the graph's own before each
-  replay. An input that moves after the capture makes the plan capture again (at most
+  any other (the batch, the step's scalars, eager tensors made during the step such as a causal mask,
+  even where the allocator gave the new memory the old address) is copied into a buffer of the
+  graph's own before each replay. An input that moves after the capture makes the plan capture again (at most
   `MAX_CAPTURES` times, then it runs kernel by kernel).
 - Outputs are written into the graph's memory at each replay: every output that the step does not
   copy into an input's storage anyway is cloned before it is handed out, so a tensor kept from an
@@ -33,6 +34,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..config import CONFIG
 from ..diagnostics import log, warn_once
@@ -69,6 +71,7 @@ class StepGraph:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.off = _not_capturable(runner, device)   # why the plan runs kernel by kernel, or None
         self.last_ptrs: list | None = None
+        self.last_storages: list | None = None     # weak references to the last run's input storages
         self.moving: set[int] = set()     # positions of inputs copied into the graph's own buffers
         self.staged: dict[int, torch.Tensor] = {}
         self.direct: list[tuple[int, int]] = []   # (position, address) of inputs read where they live
@@ -98,9 +101,15 @@ class StepGraph:
         if self.off is not None:
             return self.runner(*inputs)
         ptrs = [t.data_ptr() for t in inputs]
+        storages = [StorageWeakRef(t.untyped_storage()) for t in inputs]
         if self.last_ptrs is not None:
             self.moving.update(k for k, (a, b) in enumerate(zip(ptrs, self.last_ptrs)) if a != b)
+            # new memory at an old address (the allocator reuses blocks) moves sooner or later, and
+            # each move costs a capture: copied in from the start
+            self.moving.update(k for k, (old, new) in enumerate(zip(self.last_storages, storages))
+                               if old.expired() or old.cdata != new.cdata)
         self.last_ptrs = ptrs
+        self.last_storages = storages
         if self.calls < CAPTURE_AT:
             return self.runner(*inputs)
         if self.captures >= MAX_CAPTURES:
