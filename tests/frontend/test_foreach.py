@@ -101,3 +101,53 @@ def test_split_foreach_replays_eagerly_like_the_op() -> None:
     torch._foreach_addcdiv_(expected, ys, [y.abs() + 1 for y in ys], [0.5, -1.0, 2.0])
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e)
+
+
+def test_foreach_entries_in_steps_with_dynamic_dims_match_one_template() -> None:
+    """AdamW (foreach) after a forward whose sequence length changes every step: the steps match the
+    dynamic template (the foreach entries included) and train like eager."""
+    import copy
+
+    import torch.nn.functional as F
+    from torch import nn
+
+    from pydisc import step as pstep
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.lin, self.out = nn.Embedding(50, 16), nn.Linear(16, 16), nn.Linear(16, 50)
+
+        def forward(self, idx):
+            return self.out(torch.tanh(self.lin(self.emb(idx))))
+
+    pstep.clear_plans()
+    pydisc.reset_metrics()
+    torch.manual_seed(0)
+    eager = LM()
+    lazy = pydisc.lazy(copy.deepcopy(eager))
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2, foreach=True)
+    opt_l = torch.optim.AdamW(lazy.parameters(), lr=1e-2, foreach=True)
+    g = torch.Generator().manual_seed(1)
+    try:
+        for length in (8, 12, 8, 10, 14, 9, 8, 12):
+            idx = torch.randint(0, 50, (2, length + 1), generator=g)
+            x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+            loss_e = F.cross_entropy(eager(x).flatten(0, 1), y.flatten())
+            loss_e.backward()
+            opt_e.step()
+            opt_e.zero_grad()
+            for t in (x, y):
+                pydisc.mark_dynamic(t, 1)
+            loss_l = F.cross_entropy(lazy(x).flatten(0, 1), pydisc.to_lazy(y).flatten())
+            loss_l.backward()
+            opt_l.step()
+            opt_l.zero_grad()
+            pydisc.mark_step()
+            torch.testing.assert_close(loss_l.item(), loss_e.item(), rtol=1e-5, atol=1e-5)
+        for pe, pl in zip(eager.parameters(), lazy.parameters()):
+            torch.testing.assert_close(pl.cpu(), pe, rtol=1e-5, atol=1e-6)
+        m = pydisc.metrics()
+        assert m["dynamic_matches"] >= 3 and not m["fallback_ops"] and not m["compile_failures"], m
+    finally:
+        pstep.clear_plans()
