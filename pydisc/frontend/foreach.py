@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .lazy_tensor import RECORDER, LazyTensor, LiftedScalar, Recipe, _opinfo, _symbolic_args, liftable
+from .lazy_tensor import RECORDER, LazyTensor, LiftedScalar, _opinfo, _symbolic_args, liftable
 
 __all__ = ["SplitForeach", "record_foreach", "optimizers_take_their_foreach_path"]
 
@@ -146,20 +146,15 @@ def _whole(func, args, kwargs):
             return NotImplemented
         enc_args, enc_kwargs = lifted
     info = _opinfo(func)
-    recorder = RECORDER
-    key = recorder.meta_key(func, enc_args, enc_kwargs)
-    recipe = recorder.meta_cache.get(key)
-    if recipe is None:
-        try:
-            # the op's own meta kernel, on the floats themselves (a ScalarList takes no tensors)
-            kind, descs = recorder.compute_meta(func, args, kwargs)
-        except Exception:
-            return NotImplemented
-        recipe = recorder.meta_cache[key] = Recipe(info, enc_args, enc_kwargs, kind, descs)
+    try:
+        # the op's own meta kernel, on the floats themselves (a ScalarList takes no tensors)
+        recipe = RECORDER.recipe(func, enc_args, enc_kwargs, info, args, kwargs)
+    except Exception:
+        return NotImplemented
     split = _SPLITS.get(id(func))
     if split is None:
         split = _SPLITS[id(func)] = SplitForeach(func)
-    return recorder._record(split, tuple(enc_args), enc_kwargs, info, recipe, None)
+    return RECORDER._record(split, tuple(enc_args), enc_kwargs, info, recipe, None)
 
 
 def _split(func, args, kwargs):

@@ -690,18 +690,26 @@ class Recorder:
             if recipe.reinterprets:
                 return self.run_eager(func, args, kwargs, info, fallback=True)
             return self._record(func, args, kwargs, info, recipe, fakes)
-        key = self.meta_key(func, args, kwargs)
-        recipe = self.meta_cache.get(key)
-        if recipe is None:
-            try:
-                kind, descs = self.compute_meta(func, args, kwargs)
-            except Exception:
-                # no meta kernel, or an output whose shape depends on data: run it eagerly
-                return self.run_eager(func, args, kwargs, info, fallback=True)
-            recipe = self.meta_cache[key] = Recipe(info, args, kwargs, kind, descs)
+        try:
+            recipe = self.recipe(func, args, kwargs, info)
+        except Exception:
+            # no meta kernel, or an output whose shape depends on data: run it eagerly
+            return self.run_eager(func, args, kwargs, info, fallback=True)
         if recipe.reinterprets:
             return self.run_eager(func, args, kwargs, info, fallback=True)
         return self._record(func, args, kwargs, info, recipe, None)
+
+    def recipe(self, func, args, kwargs, info: OpInfo, meta_args=None, meta_kwargs=None) -> Recipe:
+        """How to record `func` on these arguments: from the meta cache, or worked out by its meta kernel
+        (which raises where it cannot say). `meta_args`/`meta_kwargs`: what the meta kernel runs on,
+        where the recorded arguments differ (a foreach op's lifted floats)."""
+        key = self.meta_key(func, args, kwargs)
+        recipe = self.meta_cache.get(key)
+        if recipe is None:
+            kind, descs = self.compute_meta(func, args if meta_args is None else meta_args,
+                                            kwargs if meta_kwargs is None else meta_kwargs)
+            recipe = self.meta_cache[key] = Recipe(info, args, kwargs, kind, descs)
+        return recipe
 
     def _record(self, func, args, kwargs, info: OpInfo, recipe: Recipe, fakes):
         trace = self.trace
