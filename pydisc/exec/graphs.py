@@ -13,8 +13,8 @@ What a replay needs, and how it is kept safe:
   runs in a row (parameters, optimizer state: written in place by each step) is read where it lives;
   any other (the batch, the step's scalars, eager tensors made during the step such as a causal mask,
   even where the allocator gave the new memory the old address) is copied into a buffer of the
-  graph's own before each replay. An input that moves after the capture makes the plan capture again (at most
-  `MAX_CAPTURES` times, then it runs kernel by kernel).
+  graph's own before each replay. An input that moves after the capture makes the plan capture again
+  (at most `MAX_CAPTURES` times, then it runs kernel by kernel).
 - Outputs are written into the graph's memory at each replay: every output that the step does not
   copy into an input's storage anyway is cloned before it is handed out, so a tensor kept from an
   earlier step keeps its values. The copies into inputs read in place (parameters, optimizer state)

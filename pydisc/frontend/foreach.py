@@ -160,9 +160,7 @@ def _whole(func, args, kwargs):
 def _split(func, args, kwargs):
     """`_foreach_op(list, ...)` -> one `op` per element (per-element scalars of ScalarList overloads)."""
     name = _element_name(func)
-    packet = getattr(aten, name, None)
-    if packet is None:
-        return NotImplemented
+    packet = getattr(aten, name)      # (record_foreach checked that it exists)
     lists = [i for i, a in enumerate(args) if _is_list(a)]
     n = len(args[lists[0]])
     results = []
