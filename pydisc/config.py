@@ -56,6 +56,9 @@ class Config:
     # on CUDA, a step plan that has run twice is captured as one CUDA graph and replayed with one launch
     # (pydisc/exec/graphs.py): 0 runs it kernel by kernel
     cuda_graphs: bool = _env("PYDISC_CUDA_GRAPHS", "1") != "0"
+    # on CUDA, attention written out (softmax(q @ k^T * scale) @ v) and its gradient run as torch's
+    # flash or memory-efficient attention kernels (pydisc/cluster/attention.py): 0 leaves them as written
+    fuse_attention: bool = _env("PYDISC_FUSE_ATTENTION", "1") != "0"
 
 
 CONFIG = Config()

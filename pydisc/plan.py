@@ -407,8 +407,8 @@ def plan_graph(gm: torch.fx.GraphModule, device: torch.device, sources: list[str
     nodes such as `aten.sym_size.int`): its clusters are then compiled once with dynamic dimensions and
     the plan runs at every size. `sources[i]` is the user source line of program entry i (nodes carry
     `meta["pydisc_entry"]`); `step_id` names the dump files."""
-    from .cluster import (add_torch_mlir_regions, is_host_scalar, pad_unaligned_matmuls, partition_graph,
-                          partition_regions)
+    from .cluster import (add_torch_mlir_regions, fuse_attention, is_host_scalar, pad_unaligned_matmuls,
+                          partition_graph, partition_regions)
     from .exec import compile_module
     from .exec.compiler import precompile
     from .frontend.emit import emit_cluster, unsupported_reason
@@ -417,6 +417,7 @@ def plan_graph(gm: torch.fx.GraphModule, device: torch.device, sources: list[str
     _dump("step%d_graph.txt" % step_id, gm.code)
     if CONFIG.disable:
         return StepPlan(gm, Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function"))
+    attentions = fuse_attention(gm, device)
     padded = pad_unaligned_matmuls(gm, device)
     part = partition_graph(gm, device, unsupported_reason, CONFIG.min_cluster_ops)
     if CONFIG.torch_mlir:   # the second route takes what StableHLO cannot (frontend/torch_mlir.py)
@@ -459,6 +460,9 @@ def plan_graph(gm: torch.fx.GraphModule, device: torch.device, sources: list[str
     METRICS.plan_seconds += time.perf_counter() - started
     summary = ["step %d: %d clusters, %d torch-mlir regions, %d eager ops" % (
         step_id, len(part.clusters), len(part.regions), len(part.eager_ops))]
+    if attentions:
+        summary.append("  %d written-out attentions run as fused attention kernels (cluster/attention.py)"
+                       % attentions)
     if padded:
         summary.append("  padded %d matmuls with unaligned sizes (cluster/pad_matmul.py)" % padded)
     for reason_op, reason in sorted(part.reasons.items()):

@@ -16,15 +16,12 @@ directly: the gradient of GPT-2's logits is padded once for both matmuls that re
 """
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
-from torch._guards import detect_fake_mode
-from torch.fx.node import map_arg
-from torch.utils._pytree import tree_leaves
 
 from ..frontend.decompositions import library_ops_in_torch
+from .fx_edit import new_node
 
 __all__ = ["MIN_MULTIPLY_ADDS", "pad_unaligned_matmuls", "pads_matmuls"]
 
@@ -62,11 +59,11 @@ def pad_unaligned_matmuls(gm: torch.fx.GraphModule, device: torch.device) -> int
             operands = [_pad(graph, a, a_pads, padded, node), _pad(graph, b, b_pads, padded, node)]
             if bias:
                 operands.insert(0, _pad(graph, bias[0], _bias_pads(bias[0], out_pads), padded, node))
-            result = _new_node(graph, node.target, tuple(operands), dict(node.kwargs), node)
+            result = new_node(graph, node.target, tuple(operands), dict(node.kwargs), node)
             for dim, extra in enumerate(out_pads):
                 if extra:
                     size = node.meta["val"].shape[dim]
-                    result = _new_node(graph, aten.slice.Tensor, (result, dim, 0, size), {}, node)
+                    result = new_node(graph, aten.slice.Tensor, (result, dim, 0, size), {}, node)
         node.replace_all_uses_with(result)
         graph.erase_node(node)
         for operand in (a, b, *bias):
@@ -127,13 +124,13 @@ def _pad(graph: torch.fx.Graph, node: torch.fx.Node, pads: tuple[int, ...], padd
             for dim, pad in enumerate(pads):
                 inner[source[dim]] = pad
             x = _pad(graph, node.args[0], tuple(inner), padded, matmul)
-            padded[key] = _new_node(graph, node.target, (x, *node.args[1:]), dict(node.kwargs), matmul)
+            padded[key] = new_node(graph, node.target, (x, *node.args[1:]), dict(node.kwargs), matmul)
         else:
             # constant_pad_nd takes (low, high) pairs from the last dim backwards
             amounts = [amount for pad in reversed(pads) for amount in (0, pad)]
             while amounts and amounts[-1] == 0:
                 amounts.pop()
-            padded[key] = _new_node(graph, aten.constant_pad_nd.default, (node, amounts), {}, matmul)
+            padded[key] = new_node(graph, aten.constant_pad_nd.default, (node, amounts), {}, matmul)
     return padded[key]
 
 
@@ -149,17 +146,6 @@ def _source_dims(transpose: torch.fx.Node) -> list[int]:
         d0, d1 = (0, 1) if rank == 2 else (0, 0)
     dims[d0], dims[d1] = dims[d1], dims[d0]
     return dims
-
-
-def _new_node(graph: torch.fx.Graph, target, args: tuple, kwargs: dict, like: torch.fx.Node) -> torch.fx.Node:
-    """A call of `target` with its FakeTensor value, attributed to the source entry of `like`."""
-    node = graph.call_function(target, args, kwargs)
-    vals = map_arg((args, kwargs), lambda n: n.meta["val"])
-    with detect_fake_mode(tree_leaves(vals)) or contextlib.nullcontext():
-        node.meta["val"] = target(*vals[0], **vals[1])
-    if "pydisc_entry" in like.meta:
-        node.meta["pydisc_entry"] = like.meta["pydisc_entry"]
-    return node
 
 
 def _erase_unused_transposes(graph: torch.fx.Graph, node: torch.fx.Node) -> None:

@@ -29,6 +29,7 @@ from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 from ..frontend.decompositions import library_ops_in_torch
+from .attention import ATTENTION_OPS
 
 __all__ = ["FX_PARTITIONER_MAX_NODES", "MAX_CLUSTER_NODES", "Partition", "add_torch_mlir_regions", "is_host_scalar",
            "partition_graph", "partition_regions"]
@@ -60,7 +61,7 @@ _TRANSPOSES = {aten.permute.default, aten.transpose.int, aten.t.default}
 SOFTMAXES = {aten._softmax.default, aten._log_softmax.default, aten._softmax_backward_data.default,
              aten._log_softmax_backward_data.default}
 LIBRARY_OPS = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default,
-               aten.convolution.default, aten.convolution_backward.default} | SOFTMAXES
+               aten.convolution.default, aten.convolution_backward.default} | SOFTMAXES | ATTENTION_OPS
 
 
 # Ops that IREE 3.13 lowers to a scatter whose coordinates may repeat: its GPU code runs such a scatter
