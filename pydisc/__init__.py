@@ -10,9 +10,10 @@ import atexit
 import gc
 
 from .diagnostics import PydiscWarning
+from . import background
 from .dynamic import mark_dynamic
 from .frontend.collectives import install_collectives
-from .frontend.lazy_tensor import LazyTensor, StrictModeError, is_lazy
+from .frontend.lazy_tensor import RECORDER, LazyTensor, StrictModeError, is_lazy
 from .frontend.lazy_tensor import to_lazy as _to_lazy
 from .frontend.rewrites import install_rewrites
 from .metrics import METRICS
@@ -44,6 +45,8 @@ def mark_step() -> None:
     """Run everything recorded since the last mark. Afterwards every live lazy tensor holds device
     data and the recorded graph is dropped. A no-op when nothing is pending."""
     METRICS.mark_steps += 1
+    if RECORDER.released and not RECORDER.trace.entries and not background.pending():
+        return      # steps run eagerly now (pydisc/step_choice.py): nothing was recorded
     run_pending(None, "mark_step")
 
 
@@ -51,7 +54,6 @@ def wait_for_compiles() -> None:
     """Block until the step plans being built in the background (`PYDISC_BACKGROUND_COMPILE`, on CUDA
     by default) are ready; the next step then records and runs compiled. Returns at once if none are."""
     from .background import collect, join
-    from .frontend.lazy_tensor import RECORDER
 
     join()      # without the recorder's lock: planning may take it
     with RECORDER.lock:
