@@ -427,7 +427,7 @@ def plan_graph(gm: torch.fx.GraphModule, device: torch.device, sources: list[str
     plan = StepPlan(fused)
 
     def note_eager(node: torch.fx.Node) -> None:
-        if is_host_scalar(node):  # arithmetic on sizes: not a fallback
+        if is_host_scalar(node) or node.meta.get("pydisc_view"):  # sizes; views torch keeps: not fallbacks
             return
         if node.meta.get("pydisc_library"):   # a matmul left to cuBLAS on purpose
             plan.library_ops[str(node.target)] += 1

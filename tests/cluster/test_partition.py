@@ -223,3 +223,45 @@ def test_on_a_gpu_a_transpose_read_only_by_matmuls_stays_a_view(monkeypatch):
         assert len(inside) == 2 - outside, (device, inside)
         for got, want in zip(part.graph_module(*inputs), fn(*inputs)):
             torch.testing.assert_close(got, want)
+
+
+def _view_outputs(part) -> list:
+    """Cluster outputs that are only a view chain of one of the cluster's inputs."""
+    found = []
+    for name in part.clusters:
+        sub = getattr(part.graph_module, name)
+        out = next(n for n in sub.graph.nodes if n.op == "output").args[0]
+        for node in out if isinstance(out, (list, tuple)) else [out]:
+            chain = node
+            while chain.op == "call_function" and (chain.target in partition_module._MOVES
+                                                   or chain.target is operator.getitem):
+                chain = chain.args[0]
+            if chain is not node and chain.op == "placeholder":
+                found.append(node)
+    return found
+
+
+def test_views_of_a_cluster_input_read_outside_it_are_taken_by_torch(monkeypatch):
+    # A weight's view read by cuBLAS and by the cluster's update; the pieces of a matmul's result
+    # (q, k, v) read by the cluster and by further matmuls; a view that is a graph output. A cluster
+    # used to return each such view, which IREE wrote as a copy at every step; torch now takes its own
+    # views, and the cluster keeps the chain for its own reads.
+    monkeypatch.setattr(partition_module, "_device_reason", lambda node, device: None)  # CPU-traced graph
+
+    def fn(w, x, g):
+        wv = w.view(4, 6)
+        y = x @ wv
+        new_w = wv - 0.1 * g
+        q, k = y.split(3, dim=1)
+        return q @ k.t(), (q * 2).exp(), k.sum(), new_w, w.view(24)[:5] * 2
+
+    inputs = (torch.randn(24), torch.randn(5, 4), torch.randn(4, 6))
+    for device, duplicated in ((torch.device("cuda"), True), (CPU, False)):
+        gm = _graph(fn, *inputs)
+        part = partition_graph(gm, device, lambda node: None, max_ops=None)
+        views = [n for n in part.graph_module.graph.nodes if n.meta.get("pydisc_view")]
+        assert bool(views) == duplicated, (device, part.graph_module.code)
+        if duplicated:
+            assert _view_outputs(part) == [], part.graph_module.code
+        for got, want in zip(part.graph_module(*inputs), fn(*inputs)):
+            torch.testing.assert_close(got, want)
