@@ -110,8 +110,8 @@ class _Support(OperatorSupportBase):
         self.reasons = reasons
 
     def is_node_supported(self, submodules, node: torch.fx.Node) -> bool:
-        if node.op != "call_function":
-            return False
+        if node.op != "call_function" or node.meta.get("pydisc_view"):
+            return False      # (a view left to torch on purpose: no torch-mlir region may take it)
         if self.library(node) or self._transposes_for_library(node):
             node.meta["pydisc_library"] = True   # torch's kernels (cuBLAS, cuDNN), by choice, not a fallback
             return False
