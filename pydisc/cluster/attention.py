@@ -5,9 +5,9 @@ the [batch, heads, t, t] scores, their softmax and both their gradients. In GPT-
 seq 1024, each of these is 201M elements, written and read several times per layer: most of the GPU
 time that separates eager PyTorch (144 ms per step on an H200) from torch.compile (57 ms), which
 rewrites the pattern into flash attention. On CUDA, `fuse_attention` rewrites the functional graph
-before partitioning: each such attention, and its gradient where the step has one, becomes one call of
-torch's flash attention (memory-efficient attention where there is a mask or float32) and one of its
-backward, run by torch like the matmuls (partition.LIBRARY_OPS). Nothing of size t x t is left.
+before partitioning: each such attention in bf16 or fp16, and its gradient where the step has one,
+becomes one call of torch's flash attention (memory-efficient attention where there is a mask) and one
+of its backward, run by torch like the matmuls (partition.LIBRARY_OPS). Nothing of size t x t is left.
 
 What is matched, in the ops autograd records for `q @ k.transpose(-2, -1)` and its gradient:
 
@@ -18,7 +18,8 @@ What is matched, in the ops autograd records for `q @ k.transpose(-2, -1)` and i
               dQ3 = bmm(dS3, KT3^T), dKT3 = bmm(Q3^T, dS3), dV3 = bmm(P3^T, dO3)
 
 Anything else is left as it is: probabilities or scores read elsewhere (returned attention weights,
-dropout on them), an additive bias, a gradient for only some of q, k and v, symbolic sizes.
+dropout on them), an additive bias, a gradient for only some of q, k and v, symbolic sizes, a mask
+applied before a scale of unknown sign, float32 on CUDA (not measured there).
 
 The scale is one of the step's lifted scalars (a graph input that could change between steps), so q is
 multiplied by it before the kernel (which then scales by 1) and q's gradient after it: in bf16 that
@@ -221,7 +222,7 @@ def _forward_scores(softmax: torch.fx.Node, m: dict) -> torch.fx.Node | None:
             node = node.args[0]
         elif _call(node, _SCALES) and "scale" not in m and _scale_of(node):
             m["scale"] = _scale_of(node)
-            m["scale_after_mask"] = "mask" in m     # walking backwards: the mask was seen first
+            m["scale_after_mask"] = "mask" not in m   # walking backwards: met before any mask
             node = node.args[0]
         elif (_call(node, {aten.where.self}) and "mask" not in m and _fill(node.args[1]) == -math.inf
               and _shape(node.args[2]) == _shape(node)):
@@ -251,6 +252,9 @@ def _match(softmax: torch.fx.Node, order: dict) -> _Attention | None:
         if (mshape is None or mask.meta["val"].dtype is not torch.bool or mshape[-2:] != (t, s)
                 or torch.broadcast_shapes(mshape, shape) != shape):
             return None
+    scale = m.get("scale")
+    if mask is not None and m["scale_after_mask"] and not (isinstance(scale[1], float) and scale[1] > 0):
+        return None   # -inf times a factor of unknown sign: the bias would not be the same
     m["dead"] += [view, scores]
 
     # the softmax's readers: the forward's P @ V and, through aliases, the backward's softmax gradient
@@ -361,11 +365,11 @@ def _supported(device: torch.device, m: _Attention) -> bool:
     dtype = m.q3.meta["val"].dtype
     if device.type == "cpu":
         return dtype in (torch.float32, torch.bfloat16)
-    if device.type != "cuda" or m.d > 128 or m.d % 8:
+    # on CUDA: half precision (what the H200 runs measured: flash attention, and memory-efficient
+    # attention for a mask, whose bias rows must be 16-element aligned)
+    if device.type != "cuda" or m.d > 128 or m.d % 8 or dtype not in (torch.bfloat16, torch.float16):
         return False
-    if m.mask is None and dtype in (torch.bfloat16, torch.float16):
-        return True                                       # flash attention
-    return dtype in (torch.bfloat16, torch.float16, torch.float32) and m.s % 16 == 0   # memory-efficient
+    return m.mask is None or m.s % 16 == 0
 
 
 def _untransposed(kt3: torch.fx.Node, b: int, h: int) -> torch.fx.Node | None:
@@ -394,7 +398,7 @@ def _rewrite(graph: torch.fx.Graph, m: _Attention) -> None:
         scale = 1.0
         if m.scale is not None:
             op, factor = m.scale
-            if isinstance(factor, float) and (factor > 0 or not m.scale_after_mask):
+            if isinstance(factor, float):
                 scale = factor if op is aten.mul.Tensor else 1.0 / factor
             else:
                 q = call(op, q, factor)
@@ -410,7 +414,7 @@ def _rewrite(graph: torch.fx.Graph, m: _Attention) -> None:
         with graph.inserting_before(m.first_backward):
             g = call(ATTENTION_BACKWARD, heads(m.do3), q, k, v, bias, out, *saved, scale)
             gq, gk, gv = (call(operator.getitem, g, i) for i in range(3))
-        if scale == 1.0 and m.grad_scale is not None:
+        if m.scale is not None and not isinstance(m.scale[1], float):    # q was scaled: its gradient too
             with graph.inserting_before(m.dq[0]):
                 gq = call(m.grad_scale[0], gq, m.grad_scale[1])
         with graph.inserting_before(m.dkt[0]):

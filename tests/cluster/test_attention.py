@@ -127,6 +127,38 @@ def test_symbolic_sizes_are_left_alone(on_cpu):
     assert count == 0
 
 
+@pytest.mark.parametrize("dtype, masked, t, taken", [
+    (torch.bfloat16, False, 12, True),     # flash attention: any length
+    (torch.bfloat16, True, 16, True),      # memory-efficient attention: a bias with aligned rows
+    (torch.bfloat16, True, 12, False),
+    (torch.float32, False, 16, False),     # float32 on CUDA: not measured there, left as written
+])
+def test_which_attentions_cuda_takes(dtype, masked, t, taken):
+    x, w, grad = _inputs(dtype, t=t)
+    gm = make_fx(_step(dtype, 0.3, masked), decomposition_table=_LIBRARY_TABLE, tracing_mode="fake")(x, w, grad)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    softmax = next(n for n in gm.graph.nodes if n.target is aten._softmax.default)
+    match = A._match(softmax, order)
+    assert match is not None and match.do3 is not None
+    assert A._supported(torch.device("cuda"), match) == taken
+    assert A._supported(CPU, match)
+
+
+def test_a_mask_before_a_lifted_scale_is_left_alone(on_cpu):
+    """where(mask, -inf, S) * s: with s of unknown sign the masked scores need not be -inf."""
+    x, w, grad = _inputs(torch.float32)
+
+    def step(x, w, grad, s):
+        x = x.detach().requires_grad_()
+        q, k, v = (x @ w).view(2, 16, 12, 8).transpose(1, 2).split(4, dim=1)
+        mask = torch.ones(16, 16, dtype=torch.bool).triu(1)
+        out = ((q @ k.transpose(-2, -1)).masked_fill(mask, float("-inf")) * s).softmax(-1) @ v
+        return (out,) + torch.autograd.grad(out, (x,), grad)
+
+    gm, count = _rewritten(step, (x, w, grad, torch.tensor(0.3)))
+    assert count == 0
+
+
 def test_policy(monkeypatch):
     from pydisc.config import CONFIG
 
