@@ -41,8 +41,9 @@ def metrics_report(top: int = 10) -> str:
         for op, count in m.collectives.most_common(top):
             lines.append("    %-40s %6d" % (op, count))
     if m.library_ops:
-        lines.append("  in torch by choice   %d (%s): matmuls and convolutions (PYDISC_GPU_MATMUL=iree compiles "
-                     "them too), scatters and max pooling, slow in IREE's GPU code" % (
+        lines.append("  in torch by choice   %d (%s): matmuls, convolutions and fused attention "
+                     "(PYDISC_GPU_MATMUL=iree compiles them too), softmax, scatters, max pooling and "
+                     "concatenations, slow in IREE's GPU code" % (
             sum(m.library_ops.values()), ", ".join("%s x%d" % kv for kv in m.library_ops.most_common(4))))
     if m.background_compiles:
         lines.append("  built in background  %d plans, %.1f s; %d steps ran eagerly meanwhile" % (
