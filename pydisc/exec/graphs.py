@@ -146,13 +146,13 @@ class StepGraph:
                 outs[k] = target
             # one multi-tensor kernel per few hundred copies, where one copy each took ~800 memcpy
             # nodes (8.8 ms of a BERT-base step at batch 64 on the H200)
+            # a source that is also written (a step input passed through as another's new value) is
+            # read before any copy writes it: every copy sees the step's values, as the step computed
             written_to = {t.untyped_storage().data_ptr() for targets, _ in copies.values() for t in targets}
             for targets, sources in copies.values():
-                if any(x.untyped_storage().data_ptr() in written_to for x in sources):
-                    for target, source in zip(targets, sources):    # one reads what another writes: in order
-                        target.copy_(source)
-                else:
-                    torch._foreach_copy_(targets, sources)
+                sources[:] = [x.clone() if x.untyped_storage().data_ptr() in written_to else x for x in sources]
+            for targets, sources in copies.values():
+                torch._foreach_copy_(targets, sources)
             return outs
 
         before = {name: getattr(METRICS, name) for name in _COUNTED}
