@@ -1,5 +1,5 @@
 """The attention kernels that cluster/attention.py puts in place of written-out attention: torch's flash
-attention (bf16 or fp16 on CUDA, no mask), its memory-efficient attention (a bias, or float32) and its
+attention (bf16 or fp16 on CUDA, no mask), its memory-efficient attention (with a bias) and its
 CPU flash attention, behind two custom ops that pick the kernel when they run."""
 from __future__ import annotations
 
