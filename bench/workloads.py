@@ -12,7 +12,8 @@ says so). In that process the three modes are built from one seeded model and ru
 - pydisc: `pydisc.lazy(model)`, `pydisc.mark_step()` after each step.
 
 Warm-up steps first (they compile, and their wall time is reported as `first steps`), then `--blocks`
-blocks of `--block` steps per mode, the modes taking turns block by block so that they see the same
+blocks of `--block` steps per mode (more for fast steps, so that a block lasts `--min-block-ms`),
+the modes taking turns block by block so that they see the same
 machine load. A block is timed from one CUDA synchronisation to the next, with no value read in
 between (a training loop that logs the loss every step would add a sync per step to all three), and
 the row reports the median over blocks of the time per step. pydisc's counters are per measured step:
@@ -279,6 +280,24 @@ class Mode:
         return float(v.float().mean().item() if v.dim() else v.item())
 
 
+def _block_steps(modes: list, batches: list, device: torch.device, args) -> int:
+    """Steps per timed block: `--block`, or more where a block of them would last less than
+    `--min-block-ms` (a 1 ms MLP step timed in blocks of 4 read 1.03-1.17x between identical runs: the
+    synchronisation and the timer weigh on a 4 ms block). Every mode runs one untimed block, so that
+    all take the same steps; the fastest sets the size."""
+    fastest = float("inf")
+    for m in modes:
+        _sync(device)
+        t = time.perf_counter()
+        for k in range(args.block):
+            m.step(batches[k % len(batches)])
+        _sync(device)
+        fastest = min(fastest, (time.perf_counter() - t) / args.block)
+    if not modes:
+        return args.block
+    return max(args.block, math.ceil(args.min_block_ms / 1e3 / max(fastest, 1e-6)))
+
+
 def _copy_bandwidth(device) -> float:
     """Device-to-device copy bandwidth (bytes read + written per second): the best of 5 rounds of 20
     copies of 256 MiB (one round in a busy process read 1.2 TB/s where the others read 3.5-4.1)."""
@@ -430,18 +449,19 @@ def run_one(name: str, args) -> dict:
         for m in live:
             m.record_seconds = 0.0
         times = {m.name: [] for m in live}
+        steps = _block_steps(live, batches, device, args)
         for block in range(args.blocks):
             for m in live:
                 _sync(device)
                 t = time.perf_counter()
-                for k in range(args.block):
+                for k in range(steps):
                     m.step(batches[k % len(batches)])
                 _sync(device)
-                times[m.name].append((time.perf_counter() - t) / args.block)
+                times[m.name].append((time.perf_counter() - t) / steps)
         for m in live:
             row[m.name] = statistics.median(times[m.name])
             row["loss " + m.name] = m.value()
-        row["steps"] = args.blocks * args.block
+        row["steps"] = args.blocks * steps
     met = pydisc.metrics()
     steps = max(1, met["steps"])
     row["clusters/step"] = met["executions"] / steps
@@ -539,6 +559,8 @@ def main(argv=None) -> int:
                    "PYDISC_STEP_CHOICE, whole steps (4 windows of 1 + 4 steps: done by step 29)")
     p.add_argument("--blocks", type=int, default=5)
     p.add_argument("--block", type=int, default=4)
+    p.add_argument("--min-block-ms", type=float, default=25.0, help="more steps per block where --block "
+                   "steps last less than this (fast steps: less timer and synchronisation noise)")
     p.add_argument("--varlen-steps", type=int, default=200)
     p.add_argument("--varlen-lengths", type=int, default=4, help="distinct sequence lengths (128, 120, ...)")
     p.add_argument("--modes", default="eager,torch.compile,pydisc", help="which of eager, torch.compile, pydisc "
