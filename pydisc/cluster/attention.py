@@ -82,7 +82,6 @@ class _Attention:
     out_views: list
     scale: tuple | None = None                  # (mul or div, a float or a 0-d tensor node)
     mask: torch.fx.Node | None = None
-    scale_after_mask: bool = False
     # the backward, where there is one
     do3: torch.fx.Node | None = None
     dq: tuple | None = None                     # (bmm, its 4-D views), for q, k^T and v
@@ -253,7 +252,7 @@ def _match(softmax: torch.fx.Node, order: dict) -> _Attention | None:
                 or torch.broadcast_shapes(mshape, shape) != shape):
             return None
     scale = m.get("scale")
-    if mask is not None and m["scale_after_mask"] and not (isinstance(scale[1], float) and scale[1] > 0):
+    if mask is not None and m.get("scale_after_mask") and not (isinstance(scale[1], float) and scale[1] > 0):
         return None   # -inf times a factor of unknown sign: the bias would not be the same
     m["dead"] += [view, scores]
 
@@ -289,7 +288,7 @@ def _match(softmax: torch.fx.Node, order: dict) -> _Attention | None:
     out_views = _views_of(pv, (b, h, t, d))
     if out_views is None:
         return None
-    match = _Attention(b, h, t, s, d, q3, kt3, v3, pv, out_views, m.get("scale"), mask, m["scale_after_mask"])
+    match = _Attention(b, h, t, s, d, q3, kt3, v3, pv, out_views, scale, mask)
     match.dead = m["dead"] + [p3, pv, *out_views]
     if not grads:
         return match if len(p3.users) == 1 else None

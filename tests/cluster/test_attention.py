@@ -91,6 +91,20 @@ def test_attention_and_its_gradient_become_one_kernel_each(on_cpu, dtype, masked
         torch.testing.assert_close(got.float(), want.float(), **tolerance)
 
 
+@pytest.mark.parametrize("masked", [True, False])
+def test_attention_without_a_scale_is_rewritten(on_cpu, masked):
+    q, k, v = (torch.randn(2, 4, 16, 8) for _ in range(3))
+    mask = torch.ones(16, 16, dtype=torch.bool).triu(1)
+
+    def fn(q, k, v, mask):
+        scores = q @ k.transpose(-2, -1)
+        return (scores.masked_fill(mask, float("-inf")) if masked else scores).softmax(-1) @ v
+
+    gm, count = _rewritten(fn, (q, k, v, mask))
+    assert count == 1 and not _targets(gm) & _WRITTEN_OUT, gm.code
+    torch.testing.assert_close(gm(q, k, v, mask), fn(q, k, v, mask))
+
+
 def test_inference_attention_is_rewritten(on_cpu):
     q, k, v = (torch.randn(2, 4, 16, 8) for _ in range(3))
     mask = torch.ones(16, 16, dtype=torch.bool).triu(1)
