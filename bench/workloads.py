@@ -285,6 +285,8 @@ def _block_steps(modes: list, batches: list, device: torch.device, args) -> int:
     `--min-block-ms` (a 1 ms MLP step timed in blocks of 4 read 1.03-1.17x between identical runs: the
     synchronisation and the timer weigh on a 4 ms block). Every mode runs one untimed block, so that
     all take the same steps; the fastest sets the size."""
+    if not modes:
+        return args.block
     fastest = float("inf")
     for m in modes:
         _sync(device)
@@ -293,8 +295,6 @@ def _block_steps(modes: list, batches: list, device: torch.device, args) -> int:
             m.step(batches[k % len(batches)])
         _sync(device)
         fastest = min(fastest, (time.perf_counter() - t) / args.block)
-    if not modes:
-        return args.block
     return max(args.block, math.ceil(args.min_block_ms / 1e3 / max(fastest, 1e-6)))
 
 

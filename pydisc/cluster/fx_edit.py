@@ -19,7 +19,8 @@ def _fake_call(target, args: tuple, kwargs: dict, like: torch.fx.Node, swap: dic
 
 
 def refresh_val(node: torch.fx.Node, swap: dict) -> None:
-    """Recompute `node`'s FakeTensor value with input `old` read as `swap[old]` (its new layout)."""
+    """Recompute `node`'s FakeTensor value, reading each input found in `swap` as its replacement there
+    (a value in another layout)."""
     node.meta["val"] = _fake_call(node.target, node.args, node.kwargs, node, swap)
 
 
