@@ -130,6 +130,26 @@ def test_schedule_is_read_and_covers_every_output(name):
                 assert all(hi <= values[schedule.transients[index]] for _, hi in spans)
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_results_that_later_ops_read_are_written_in_place(dynamic):
+    """A result that later ops of the cluster also read (a residual sum and the statistics of the layer
+    norm after it) is computed into its output: IREE copied each such result from a buffer of its own
+    when results were placed only at the end (`{iree.abi.output}`)."""
+    def fn(x, r, w):
+        h = x + r
+        mean = h.mean(-1, keepdim=True)
+        rstd = (h - mean).square().mean(-1, keepdim=True).add(1e-5).rsqrt()
+        y = (h - mean) * rstd * w
+        return h, mean, rstd, y, y.sum()
+
+    gm = _trace(fn, (torch.randn(8, 64), torch.randn(8, 64), torch.randn(64)), {0: [0], 1: [0]} if dynamic else {})
+    emitted = emit_cluster(gm)
+    _, schedule = split_bundle(compile_bundle(ireec.compile_str, emitted.text, "stablehlo", CUDA_DIRECT_TARGET.flags))
+    assert isinstance(schedule, Schedule), schedule
+    assert [c for c in schedule.commands if c[0] == "copy"] == []
+    assert sum(c[0] == "dispatch" for c in schedule.commands) >= 2      # the results cross dispatches
+
+
 SCATTER_INTO_INPUT = """func.func @main(%x: tensor<4xf32>, %i: tensor<6x1xi64>, %u: tensor<6xf32>,
                  %out0: tensor<4xf32> {iree.abi.output = 0 : index}) -> tensor<4xf32> {
   %r = "stablehlo.scatter"(%x, %i, %u) ({

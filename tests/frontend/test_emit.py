@@ -17,8 +17,10 @@ def test_signature_and_abi_outputs() -> None:
     assert isinstance(cluster, EmittedCluster)
     assert cluster.inputs == (TensorSpec((2, 3), torch.float32), TensorSpec((4,), torch.int32))
     assert cluster.outputs == cluster.inputs
-    assert "%out0: tensor<2x3xf32> {iree.abi.output = 0 : index}" in cluster.text
-    assert "%out1: tensor<4xi32> {iree.abi.output = 1 : index}" in cluster.text
+    assert "%out0: !hal.buffer_view, %out1: !hal.buffer_view)" in cluster.text
+    assert cluster.text.count("hal.tensor.alias") == 2
+    assert "tensor<2x3xf32> to %out0 : !hal.buffer_view" in cluster.text
+    assert "tensor<4xi32> to %out1 : !hal.buffer_view" in cluster.text
     assert cluster.ops == ("aten.mul.Tensor", "aten.add.Tensor")
 
 
