@@ -296,11 +296,14 @@ def _views_in_torch(gm: torch.fx.GraphModule, partitions: list[FxPartition]) -> 
     A chain such as `view(weight)` read both by a cluster (the optimizer's update) and by cuBLAS (the
     forward matmul) went into the cluster, which then returned the view as an output: IREE wrote a copy
     of the weight, every step (~400 device copies of a BERT-base step at batch 64 on the H200). The
-    readers outside now read a duplicate of the chain, run by torch as views (`pydisc_view`: not a
-    fallback); the cluster keeps the chain for its own readers, if any. Returns the chains duplicated."""
+    readers in torch now read a duplicate of the chain, run by torch as views (`pydisc_view`: not a
+    fallback); a reader in another cluster gets a duplicate in that cluster, which then reads the
+    chain's source (a view made by torch would reach it as an input it must copy where it is not dense
+    and aligned: the lifted scalars, 0-d selects at odd offsets, were 288 such copies of a BERT-base
+    step). The cluster keeps the chain for its own readers, if any. Returns the chains duplicated."""
     graph = gm.graph
     home = {n: p for p in partitions for n in p.nodes}
-    copies: dict[torch.fx.Node, torch.fx.Node] = {}
+    copies: dict[tuple, torch.fx.Node] = {}
 
     def is_move(node) -> bool:
         if not isinstance(node, torch.fx.Node) or node.op != "call_function":
@@ -311,17 +314,24 @@ def _views_in_torch(gm: torch.fx.GraphModule, partitions: list[FxPartition]) -> 
             return is_move(node.args[0])
         return node.target in _MOVES
 
-    def duplicate(node: torch.fx.Node, part) -> torch.fx.Node:
+    def duplicate(node: torch.fx.Node, part, into) -> torch.fx.Node:
+        """`node`'s chain, from its source in `part`, for the readers in `into` (None: torch)."""
         if home.get(node) is not part:
             return node                              # the chain's source, an input of the cluster
-        if node not in copies:
-            source = duplicate(node.args[0], part)
+        key = (node, None if into is None else id(into))
+        if key not in copies:
+            source = duplicate(node.args[0], part, into)
+            target = node.target if into is not None else _IN_TORCH.get(node.target, node.target)
             with graph.inserting_before(node):       # after its source and any size it reads
-                copy = graph.call_function(_IN_TORCH.get(node.target, node.target), (source, *node.args[1:]),
-                                           dict(node.kwargs))
-            copy.meta = {**node.meta, "pydisc_view": True}
-            copies[node] = copy
-        return copies[node]
+                copy = graph.call_function(target, (source, *node.args[1:]), dict(node.kwargs))
+            if into is None:
+                copy.meta = {**node.meta, "pydisc_view": True}
+            else:
+                copy.meta = dict(node.meta)
+                _add(into.nodes, copy)
+                home[copy] = into
+            copies[key] = copy
+        return copies[key]
 
     count = 0
     for node in list(graph.nodes):
@@ -334,9 +344,8 @@ def _views_in_torch(gm: torch.fx.GraphModule, partitions: list[FxPartition]) -> 
         outside = [u for u in node.users if home.get(u) is not part]
         if home.get(source) is part or not outside:
             continue
-        copy = duplicate(node, part)
         for user in outside:
-            user.replace_input_with(node, copy)
+            user.replace_input_with(node, duplicate(node, part, home.get(user)))
         count += 1
     for node in reversed(list(graph.nodes)):     # chain nodes left with no reader
         if is_move(node) and not node.users and node in home:

@@ -269,3 +269,28 @@ def test_views_of_a_cluster_input_read_outside_it_are_taken_by_torch(monkeypatch
             assert not any(support.is_node_supported({}, v) for v in views)
         for got, want in zip(part.graph_module(*inputs), fn(*inputs)):
             torch.testing.assert_close(got, want)
+
+
+def test_a_view_that_another_cluster_reads_is_made_in_that_cluster(monkeypatch):
+    # A select of the lifted scalars (0-d, at an offset no kernel may be handed) read by two clusters
+    # with a matmul in torch between them: the second cluster takes the scalars themselves and selects
+    # inside, instead of a view that torch made and the launcher must copy at every call.
+    monkeypatch.setattr(partition_module, "_device_reason", lambda node, device: None)  # CPU-traced graph
+
+    def fn(s, x, w):
+        a = s.select(0, 3)
+        y = (x * a + 1) @ w
+        return (y * a - 2).exp()
+
+    inputs = (torch.randn(8), torch.randn(5, 4), torch.randn(4, 6))
+    gm = _graph(fn, *inputs)
+    part = partition_graph(gm, torch.device("cuda"), lambda node: None, max_ops=None)
+    clusters = [getattr(part.graph_module, n.target) for n in part.graph_module.graph.nodes if n.op == "call_module"]
+    assert len(clusters) == 2, part.graph_module.code
+    for cluster in clusters:
+        shapes = [tuple(n.meta["val"].shape) for n in cluster.graph.nodes if n.op == "placeholder"]
+        assert () not in shapes, cluster.code          # each reads `s` whole
+        assert (8,) in shapes, cluster.code
+    assert not any(n.meta.get("pydisc_view") for n in part.graph_module.graph.nodes)
+    out = part.graph_module(*inputs)
+    torch.testing.assert_close(out[0] if isinstance(out, (list, tuple)) else out, fn(*inputs))
