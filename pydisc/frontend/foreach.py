@@ -77,18 +77,26 @@ class SplitForeach:
 _SPLITS: dict[int, SplitForeach] = {}     # id(foreach OpOverload) -> its entries' function
 
 
-def _lift_one(selves: list, value, ok) -> Any:
-    """`value` (a float, or one float per element) lifted, if `ok(self_k, value_k)` holds for every
-    element; the value itself if nothing is a float; None if only some elements could lift it."""
+def _all_liftable(selves: list, values: list) -> bool:
+    """`liftable(self_k, value_k)` for every element; float32 lists (the common case) at C speed."""
+    if set(map(type, values)) == {float} and set(map(type, selves)) == {LazyTensor} and \
+            {s.dtype for s in selves} == {torch.float32}:
+        return True
+    return all(liftable(s, v) for s, v in zip(selves, values))
+
+
+def _lift_one(selves: list, value) -> Any:
+    """`value` (a float, or one float per element) lifted, if `liftable` holds for every element; the
+    value itself if nothing is a float; None if only some elements could lift it."""
     if _is_list(value):
         if not any(type(v) is float for v in value):
             return value
-        if all(ok(s, v) for s, v in zip(selves, value)):
+        if _all_liftable(selves, value):
             return [LiftedScalar(v) for v in value]
         return None
     if type(value) is not float:
         return value
-    if all(ok(s, value) for s in selves):
+    if _all_liftable(selves, [value] * len(selves)):
         return LiftedScalar(value)
     return None
 
@@ -99,24 +107,24 @@ def _lifted(base: str, args: list, kwargs: dict) -> tuple[list, dict] | None:
     selves = args[0]
     if base in ("mul", "div"):
         if len(args) == 2 and "alpha" not in kwargs:
-            args[1] = _lift_one(selves, args[1], liftable)
+            args[1] = _lift_one(selves, args[1])
     elif base in ("add", "sub"):
         alpha = kwargs.get("alpha", 1)
         if type(alpha) is float and alpha != 1 and len(args) == 2 and _is_list(args[1]):
             same = all(isinstance(o, torch.Tensor) and o.dtype == s.dtype and o.device == s.device
                        for s, o in zip(selves, args[1]))
-            kwargs["alpha"] = _lift_one(selves, alpha, liftable) if same else alpha
+            kwargs["alpha"] = _lift_one(selves, alpha) if same else alpha
             if kwargs["alpha"] is None:
                 return None
     elif base == "lerp":
         if len(args) == 3:
-            args[2] = _lift_one(selves, args[2], liftable)
+            args[2] = _lift_one(selves, args[2])
     elif base in ("addcmul", "addcdiv"):
         if len(args) > 3 and isinstance(args[3], torch.Tensor):
             return None                     # one value per element, in a tensor
         if len(args) > 3:
             same = all(a.shape == b.shape for a, b in zip(args[1], args[2]))
-            args[3] = _lift_one(selves, args[3], liftable) if same else args[3]
+            args[3] = _lift_one(selves, args[3]) if same else args[3]
         elif "value" in kwargs:
             return None
     if any(a is None for a in args):
@@ -124,11 +132,13 @@ def _lifted(base: str, args: list, kwargs: dict) -> tuple[list, dict] | None:
     return args, kwargs
 
 
+_ELEMENT_TYPES = {LazyTensor, float, int}     # what a list of an op recorded as one entry may hold
+
+
 def _whole(func, args, kwargs):
     """Record `func` as one entry, or NotImplemented."""
     lists = [a for a in args if _is_list(a)]
-    if not lists or not all(type(x) is LazyTensor for a in lists for x in a
-                            if not (type(x) is float or type(x) is int)):
+    if not lists or not all(set(map(type, a)) <= _ELEMENT_TYPES for a in lists):
         return NotImplemented
     for a in args:
         # a tensor beside the lists must be one value for every element (`_foreach_mul_.Tensor`)

@@ -434,13 +434,16 @@ class Recorder:
             trace.storage_inputs.append(storage.real)
             trace.input_storages.append(storage)
             trace.storage_versions.append(storage.real._version)
-        concrete = _layout(t)
-        if t._concrete is not None and self.symbolic is not None:
+        concrete = t._concrete
+        if concrete is not None and self.symbolic is not None:
             layout = (tuple(t.shape), t.stride(), t.storage_offset())
             vid = trace.new_value(("in", storage.input_index, layout), storage, concrete + (t.dtype,))
             trace.sym_metas[vid] = layout + (t.dtype,)
-        else:
+        elif concrete is not None:
             vid = trace.new_value(("in", storage.input_index, concrete), storage, concrete + (t.dtype,))
+        else:   # the layout key holds (size, stride, offset, dtype, ...): no calls into the tensor
+            layout = t._mk.layout
+            vid = trace.new_value(("in", storage.input_index, layout[:3]), storage, layout[:4])
         t._vid = vid
         t._epoch = trace.epoch
         trace.tensors[vid] = weakref.ref(t)
@@ -580,8 +583,20 @@ class Recorder:
             return VALUE_REFS[vid]
         if t is list or t is tuple or t is torch.Size:
             sig.append(("list", len(a)))
-            items = []
             epoch = self.trace.epoch
+            if a and type(a[0]) is LazyTensor:
+                # a foreach op's list, one lazy tensor per parameter: whole-list comprehensions (an
+                # element that is not a lazy tensor has no `_vid`: the loop below takes the list)
+                ref = self.ref
+                try:
+                    vids = [x._vid if x._epoch == epoch else ref(x).vid for x in a]
+                except AttributeError:
+                    pass
+                else:
+                    sig += [VALUE_SIGS[v] for v in vids]
+                    reads += [x._storage for x in a]
+                    return [VALUE_REFS[v] for v in vids]
+            items = []
             for x in a:     # lazy tensors inline: a foreach op's lists hold one per parameter
                 if type(x) is LazyTensor:
                     vid = x._vid if x._epoch == epoch else self.ref(x).vid
@@ -736,9 +751,10 @@ class Recorder:
         for i, name in info.written_args:
             a = _arg(args, kwargs, i, name)
             for x in (a if isinstance(a, (list, tuple)) else (a,)):
-                if isinstance(x, LazyTensor):
-                    x._storage.written = True
-                    writes.append(x._storage)
+                if type(x) is LazyTensor:
+                    storage = x._storage
+                    storage.written = True
+                    writes.append(storage)
         entry_index = len(trace.entries)
         outs = []
         out_vids = []
@@ -876,6 +892,11 @@ def _key_part(a):
     if t is LazyTensor:
         return a._mk
     if t is list or t is tuple:
+        if a and type(a[0]) is LazyTensor:
+            try:
+                return (t, *[x._mk for x in a])     # all lazy: a foreach op's list (else no `_mk`)
+            except AttributeError:
+                pass
         parts = [t]
         for x in a:
             tx = type(x)
