@@ -234,14 +234,9 @@ def _placeable(value: Value) -> bool:
 def _alias(builder: FunctionBuilder, value: Value, k: int) -> Value:
     """`value` placed in the storage of output `k` (`hal.tensor.alias`): the value that ops after it read."""
     try:
-        dims = [builder.index(d) for d in value.shape if type(d) is not int]
+        return builder.alias(value, f"%out{k}")
     except DynamicShapeError as error:
         raise LoweringError("output", str(error)) from error
-    out = builder.fresh(value.type)
-    builder._derived([out], [value])
-    dim_text = "{%s}" % ", ".join(dims) if dims else ""
-    builder.line(f"{out.name} = hal.tensor.alias {value.name} : {value.type}{dim_text} to %out{k} : !hal.buffer_view")
-    return out
 
 
 def _place(builder: FunctionBuilder, env: dict, node: torch.fx.Node, k: int) -> Value:

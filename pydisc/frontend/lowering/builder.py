@@ -226,6 +226,16 @@ class FunctionBuilder(RuntimeSizes):
                   f"{', '.join(x.name for x in xs)} : {', '.join(str(x.type) for x in xs)}")
         return tuple(outs)
 
+    def alias(self, x: Value, storage: str) -> Value:
+        """`x` placed in `storage`, a `!hal.buffer_view` argument (`hal.tensor.alias`): the value that ops
+        after it read. Raises DynamicShapeError where a dynamic dim of `x` cannot be computed here."""
+        dims = [self.index(d) for d in x.shape if type(d) is not int]
+        out = self.fresh(x.type)
+        self._derived([out], [x])
+        dim_text = "{%s}" % ", ".join(dims) if dims else ""
+        self.line(f"{out.name} = hal.tensor.alias {x.name} : {x.type}{dim_text} to {storage} : !hal.buffer_view")
+        return out
+
     def _unfolded_always(self, x: Value) -> Value:
         out = self.fresh(x.type)
         self.line(f"{out.name} = stablehlo.optimization_barrier {x.name} : {x.type}")
