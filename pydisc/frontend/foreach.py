@@ -47,6 +47,7 @@ class SplitForeach:
         self.base = self.name.rstrip("_")
         self.packet = getattr(aten, self.name)
         self.returns = bool(func._schema.returns)
+        self.overloads: dict[tuple, Any] = {}    # the element's argument kinds -> its OpOverload
 
     def __repr__(self) -> str:
         return "split(%s)" % self.func
@@ -67,11 +68,28 @@ class SplitForeach:
                 if self.base == "addcmul":
                     return add(s, aten.mul.Tensor(aten.mul.Tensor(a, value), b))
                 return add(s, aten.mul.Tensor(aten.div.Tensor(a, b), value))
-            return self.packet(*args, **dict(kwargs, value=value))
+            kwargs = dict(kwargs, value=value)
+            return self.overload(args, kwargs)(*args, **kwargs)
         alpha = kwargs.get("alpha")
         if isinstance(alpha, torch.Tensor):
             return self.packet.Tensor(args[0], aten.mul.Tensor(args[1], alpha))
-        return self.packet(*args, **kwargs)
+        return self.overload(args, kwargs)(*args, **kwargs)
+
+    def overload(self, args: list, kwargs: dict):
+        """The element op's overload for these arguments, as calling the packet would pick it. Resolved
+        once per kind of arguments: the packet tries its overloads in turn at every call, and one that
+        fails to bind raises inside (`lerp_` with a lifted, 0-d tensor weight tries `lerp_.Scalar`
+        first: ~200 µs per element on the VM, 1.2 ms on the H200 host, where the op takes 7 µs)."""
+        key = tuple(_kind(a) for a in args) + tuple((k, _kind(v)) for k, v in kwargs.items())
+        op = self.overloads.get(key)
+        if op is None:
+            name = torch._C._jit_resolve_packet(self.packet._qualified_op_name, *args, **kwargs)
+            op = self.overloads[key] = getattr(self.packet, name)
+        return op
+
+
+def _kind(a) -> Any:
+    return torch.Tensor if isinstance(a, torch.Tensor) else type(a)
 
 
 _SPLITS: dict[int, SplitForeach] = {}     # id(foreach OpOverload) -> its entries' function
