@@ -10,7 +10,7 @@ import atexit
 import gc
 
 from .diagnostics import PydiscWarning
-from . import background
+from . import background, step_choice
 from .dynamic import mark_dynamic
 from .frontend.collectives import install_collectives
 from .frontend.lazy_tensor import RECORDER, LazyTensor, StrictModeError, is_lazy
@@ -45,7 +45,8 @@ def mark_step() -> None:
     """Run everything recorded since the last mark. Afterwards every live lazy tensor holds device
     data and the recorded graph is dropped. A no-op when nothing is pending."""
     METRICS.mark_steps += 1
-    if RECORDER.released and not RECORDER.trace.entries and not background.pending():
+    if RECORDER.released and not RECORDER.trace.entries and not background.pending() and \
+            not step_choice.timing():
         return      # steps run eagerly now (pydisc/step_choice.py): nothing was recorded
     run_pending(None, "mark_step")
 
@@ -65,6 +66,8 @@ def to_lazy(t):
     copy: inputs of the step, like the arguments of a `pydisc.lazy` module."""
     import torch
 
+    if RECORDER.released:
+        return t    # steps run eagerly now (pydisc/step_choice.py): inputs stay plain, as the module's do
     if isinstance(t, torch.Tensor):
         return _to_lazy(t, step_input=True)
     if isinstance(t, (list, tuple)):

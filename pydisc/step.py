@@ -171,6 +171,8 @@ def run_pending(target: LazyTensor | None = None, reason: str = "mark_step") -> 
         if background.pending():
             background.collect()
         trace = RECORDER.trace
+        # seconds this step spent recording, less the meta kernels of ops not seen before (step_choice.py)
+        recorded = time.perf_counter() - RECORDER.trace_started - RECORDER.meta_seconds if trace.entries else 0.0
         ran = (None, False, None)
         try:
             if trace.entries:
@@ -188,7 +190,7 @@ def run_pending(target: LazyTensor | None = None, reason: str = "mark_step") -> 
             optimizer_state.completed()
         if reason == "mark_step" and target is None:
             background.note_step()
-            step_choice.after_mark_step(*ran)
+            step_choice.after_mark_step(*ran, recorded)
 
 
 def _run(trace: Trace, target: LazyTensor | None) -> tuple:

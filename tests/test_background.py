@@ -99,3 +99,22 @@ def test_a_plan_that_fails_to_build_leaves_its_graph_eager(gated, monkeypatch):
         losses, lazy_params, seen = _train(True, 8, gated, open_at=3)
     _assert_same((losses, lazy_params), (expected, params))
     assert pydisc.metrics()["executions"] == 0 and pydisc.metrics()["compile_failures"]
+
+
+def test_varying_sizes_that_record_slower_than_eager_keep_eager_before_any_template(gated, monkeypatch):
+    """Sizes that vary: the second step (new sizes) says that dims are dynamic, and the step after it runs
+    plainly in torch, timed, before a template is recorded; recording took longer (the bound set to 0,
+    so that the outcome does not depend on timing), so eager is kept: no template, nothing compiled."""
+    from pydisc import step_choice
+
+    monkeypatch.setattr(CONFIG, "step_choice", "all")
+    monkeypatch.setattr(step_choice, "PROBE_AFTER", 2)
+    monkeypatch.setattr(step_choice, "RECORDING_BOUND", 0.0)
+    sizes = (5, 7, 3, 6, 4)
+    expected, params, _ = _train(False, 12, sizes=sizes)
+    losses, lazy_params, seen = _train(True, 12, sizes=sizes)
+    _assert_same((losses, lazy_params), (expected, params))
+    m = pydisc.metrics()
+    assert m["dynamic_templates"] == 0 and m["background_compiles"] == 0 and m["plans_compiled"] == 0, m
+    assert "-> eager, not compiled" in m["step_choice"], m["step_choice"]
+    assert seen[-1][0] == seen[1][0], seen     # nothing recorded after the second step

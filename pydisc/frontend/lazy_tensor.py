@@ -16,6 +16,7 @@ Running the pending trace is the job of a higher layer, which installs itself wi
 from __future__ import annotations
 
 import gc
+import time
 import threading
 import weakref
 from typing import Any, Callable
@@ -337,6 +338,10 @@ class Recorder:
         self.passthrough = False
         # ... and the live lazy tensors were made plain (frontend/release.py): inputs stay plain too
         self.released = False
+        # When the pending trace's first op was recorded, and the seconds its ops not seen before spent
+        # in meta kernels: how long recording a step takes once its ops are all known (step_choice.py)
+        self.trace_started = 0.0
+        self.meta_seconds = 0.0
 
     def new_trace(self) -> Trace:
         """A fresh pending trace. Within a step (after a read ran everything recorded so far) the
@@ -478,11 +483,15 @@ class Recorder:
                 info = _opinfo(func)
             if self.passthrough and not self.trace.entries:
                 return self.run_eager(func, args, kwargs, info, fallback=False, count=False)
-            if not self.trace.entries and CONFIG.gc_pause and gc.isenabled():
-                # A step allocates thousands of small objects that all live until mark_step; letting
-                # the cyclic GC scan them (and the whole heap) as they pile up costs more than recording.
-                gc.disable()
-                self.gc_paused = True
+            if not self.trace.entries:
+                self.trace_started = time.perf_counter()
+                self.meta_seconds = 0.0
+                if CONFIG.gc_pause and gc.isenabled():
+                    # A step allocates thousands of small objects that all live until mark_step; letting
+                    # the cyclic GC scan them (and the whole heap) as they pile up costs more than
+                    # recording.
+                    gc.disable()
+                    self.gc_paused = True
             symbolic = self.symbolic
             if symbolic is not None and len(symbolic.shape_env.guards) != symbolic.guards_seen:
                 symbolic.note_guards(user_source(3))
@@ -721,9 +730,11 @@ class Recorder:
         key = self.meta_key(func, args, kwargs)
         recipe = self.meta_cache.get(key)
         if recipe is None:
+            started = time.perf_counter()
             kind, descs = self.compute_meta(func, args if meta_args is None else meta_args,
                                             kwargs if meta_kwargs is None else meta_kwargs)
             recipe = self.meta_cache[key] = Recipe(info, args, kwargs, kind, descs)
+            self.meta_seconds += time.perf_counter() - started
         return recipe
 
     def _record(self, func, args, kwargs, info: OpInfo, recipe: Recipe, fakes):

@@ -20,9 +20,10 @@ import weakref
 
 import torch
 
-from .lazy_tensor import RECORDER, LazyTensor
+from .lazy_tensor import RECORDER, LazyTensor, _flat_base
+from .trace import LazyStorage
 
-__all__ = ["release_all"]
+__all__ = ["release_all", "restore"]
 
 # the wrapper's own attributes (lazy_tensor.LazyTensor, and Parameter's marker for a subclass)
 _INTERNAL = frozenset(("_storage", "_mk", "_real", "_vid", "_epoch", "_fake", "_fake_sid", "_concrete",
@@ -46,9 +47,10 @@ def _plain(t: LazyTensor) -> torch.Tensor:
     return plain
 
 
-def release_all() -> tuple[int, int]:
+def release_all(into: list | None = None) -> tuple[int, int]:
     """Swap every live, materialized lazy tensor for a plain one in place. Call with nothing pending
-    (right after a mark_step). Returns (released, kept lazy)."""
+    (right after a mark_step). Returns (released, kept lazy); the released objects are appended to
+    `into` if given (`restore` makes them lazy again)."""
     with RECORDER.lock:
         if RECORDER.trace.entries:
             raise RuntimeError("pydisc: release_all() with ops pending; call pydisc.mark_step() first")
@@ -56,7 +58,7 @@ def release_all() -> tuple[int, int]:
         # A gradient is held by its parameter's C++ tensor: detach them while swapping, put them back after.
         grads = {}
         for t in lazies:
-            g = t._grad
+            g = t._grad if t.grad_fn is None else None     # (torch warns when a non-leaf's is read)
             if g is not None:
                 grads[id(t)] = (t, g)
                 t.grad = None
@@ -71,6 +73,58 @@ def release_all() -> tuple[int, int]:
                 kept += 1
             else:
                 released += 1
+                if into is not None:
+                    into.append(t)
         for t, g in grads.values():
             t.grad = g
         return released, kept
+
+
+def restore(objects: list) -> int:
+    """Make the objects that `release_all` released lazy tensors again, in place, with the data they
+    hold now (and their gradients, if any): the reverse swap. Tensors over one device storage share one
+    lazy storage, as their views would. Call with nothing pending. Returns how many could not be swapped
+    back (something holds them: they stay plain)."""
+    with RECORDER.lock:
+        if RECORDER.trace.entries:
+            raise RuntimeError("pydisc: restore() with ops pending; call pydisc.mark_step() first")
+        storages: dict = {}
+
+        def lazy_of(t: torch.Tensor) -> LazyTensor:
+            real = t.detach()
+            where = (real.device, real.untyped_storage().data_ptr(), real.untyped_storage().nbytes())
+            if not where[1]:
+                where = id(t)    # no memory (numel 0): shares nothing
+            storage = storages.get(where)
+            if storage is None:
+                storage = storages[where] = LazyStorage(real.untyped_storage().nbytes(), _flat_base(real))
+            return LazyTensor(tuple(real.shape), real.stride(), real.storage_offset(), real.dtype, real.device,
+                              storage, real=real)
+
+        plain = [t for t in objects if not isinstance(t, LazyTensor)]
+        grads = {}    # detached while swapping (a parameter's C++ tensor holds its gradient), as in release_all
+        for t in plain:
+            g = t.grad if t.grad_fn is None else None
+            if g is not None:
+                grads[id(t)] = (t, g)
+                t.grad = None
+        failed = 0
+        for t in plain:
+            if t.grad_fn is not None or weakref.getweakrefs(t):
+                failed += 1
+                continue
+            data = lazy_of(t)
+            if isinstance(t, torch.nn.Parameter):
+                lazy = torch.nn.Parameter(data, requires_grad=t.requires_grad)
+            else:
+                lazy = data.requires_grad_(t.requires_grad)
+            for name, value in t.__dict__.items():
+                setattr(lazy, name, value)
+            try:
+                torch.utils.swap_tensors(t, lazy)
+            except RuntimeError:
+                failed += 1
+        for t, g in grads.values():
+            # a gradient released with its parameter is lazy again; one made by the plain steps is wrapped
+            t.grad = g if isinstance(g, LazyTensor) or not isinstance(t, LazyTensor) else lazy_of(g)
+        return failed

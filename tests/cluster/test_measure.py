@@ -167,7 +167,12 @@ def _training(steps: int, lazy: bool, seed: int = 0):
 
 @pytest.fixture
 def step_choice_cpu(monkeypatch, own_choices):
+    """The step choice on, on the CPU; its early probe (a plain eager step against recording) off, unless
+    the test turns it on: on these tiny models its outcome would depend on timing."""
+    from pydisc import step_choice
+
     monkeypatch.setattr(CONFIG, "step_choice", "cpu")
+    monkeypatch.setattr(step_choice, "PROBE_AFTER", 10 ** 9)
 
 
 @pytest.mark.parametrize("slower", ["compiled", "eager"])
@@ -280,9 +285,56 @@ def test_release_makes_lazy_tensors_plain_in_place(step_choice_cpu):
     assert not any(type(o) is LazyTensor for o in gc.get_objects())
 
 
+def test_restore_makes_released_tensors_lazy_again_in_place(step_choice_cpu):
+    # the probe's way back: released tensors (parameters, their gradients, the optimizer's state, a tied
+    # weight) become lazy tensors again, the same objects with their current data, and training goes on
+    # recorded and compiled, equal to eager
+    from pydisc.frontend.lazy_tensor import RECORDER
+    from pydisc.frontend.release import release_all, restore
+
+    def train(lazy, steps):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.GELU(),
+                                    torch.nn.Linear(8, 8))
+        model[3].weight = model[0].weight    # tied
+        if lazy:
+            model = pydisc.lazy(model)
+        model[0].weight.tag = "mine"
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(1)
+        released = []
+        for k in range(steps):
+            x, y = torch.randn(6, 8, generator=g), torch.randint(0, 8, (6,), generator=g)
+            opt.zero_grad(set_to_none=False)       # gradients live across the release and the restore
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            if lazy:
+                pydisc.mark_step()
+                if k == 1:      # steps 2 and 3 run plainly in torch
+                    RECORDER.passthrough = RECORDER.released = True
+                    release_all(released)
+                    assert released and not any(pydisc.is_lazy(p) for p in model.parameters())
+                if k == 3:
+                    assert restore(released) == 0
+                    RECORDER.passthrough = RECORDER.released = False
+        return model, opt
+
+    eager, _ = train(False, 7)
+    before = pydisc.metrics()["executions"]
+    model, opt = train(True, 7)
+    assert pydisc.metrics()["executions"] > before      # steps 4-6 ran compiled
+    assert model[3].weight is model[0].weight and model[0].weight.tag == "mine"
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert pydisc.is_lazy(p) and pydisc.is_lazy(p.grad) and isinstance(p, torch.nn.Parameter)
+        assert pydisc.is_lazy(opt.state[p]["exp_avg"]) and pydisc.is_lazy(opt.state[p]["exp_avg_sq"])
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_released_steps_pass_inputs_through_untouched(step_choice_cpu, monkeypatch):
-    # once steps run eagerly, the module's input hook hands over the very objects it was given (a
-    # pytree rebuild cost 75 us of a 370 us MLP step) and mark_step() with nothing recorded is a no-op
+    # once steps run eagerly, the module's input hook and pydisc.to_lazy hand over the very objects they
+    # were given (a pytree rebuild cost 75 us of a 370 us MLP step; a lazy input would send the ops that
+    # read it through pydisc) and mark_step() with nothing recorded is a no-op
     from pydisc import step as pstep
     from pydisc.frontend.lazy_tensor import RECORDER
     from pydisc.frontend.release import release_all
@@ -308,6 +360,7 @@ def test_released_steps_pass_inputs_through_untouched(step_choice_cpu, monkeypat
     monkeypatch.setattr(RECORDER, "released", True)
     model(x, extra, scale=scale).sum().backward()
     assert seen[-1][0] is x and seen[-1][1] is extra and seen[-1][2] is scale
+    assert pydisc.to_lazy(x) is x and pydisc.to_lazy(extra) is extra    # the explicit route too
     monkeypatch.setattr(pydisc, "run_pending", lambda *a: pytest.fail("nothing was recorded"))
     pydisc.mark_step()
 
@@ -351,3 +404,46 @@ def test_step_choice_windows_take_turns_and_the_fastest_counts(step_choice_cpu, 
     assert not RECORDER.passthrough
     # back from the first eager window, the next step plans: decided on one window each
     assert "-> eager" in run([{"compiled": 0.020, "eager": 0.010}] * 10, then_plan=True)
+
+
+@pytest.mark.parametrize("bound", [0.0, 1e9])
+def test_a_step_that_records_slower_than_a_plain_eager_step_keeps_eager_without_compiling(
+        step_choice_cpu, monkeypatch, bound):
+    # After the second recorded step, the lazy tensors are released and the next step runs plainly in torch,
+    # timed. Recording took more than RECORDING_BOUND times as long -> eager is kept at once, nothing is
+    # compiled; otherwise the tensors are made lazy again and steps record and compile. The bound is set to
+    # always (0) or never (1e9) so that the outcome does not depend on timing; the training matches eager.
+    from pydisc import step_choice
+    from pydisc.frontend import lazy_tensor
+
+    monkeypatch.setattr(CONFIG, "compile_after", 2)     # the default: a new graph runs eagerly once
+    monkeypatch.setattr(step_choice, "PROBE_AFTER", 2)
+    monkeypatch.setattr(step_choice, "RECORDING_BOUND", bound)
+    steps = []    # per step: (recorder in pass-through, parameters lazy) when it began
+    mark_step = pydisc.mark_step
+    params = []
+
+    def noting_mark_step():
+        steps.append((lazy_tensor.RECORDER.passthrough, all(pydisc.is_lazy(p) for p in params)))
+        mark_step()
+    monkeypatch.setattr(pydisc, "mark_step", noting_mark_step)
+    monkeypatch.setattr(pydisc, "lazy", lambda m, _lazy=pydisc.lazy: params.extend(_lazy(m).parameters()) or m)
+    expected, _ = _training(8, lazy=False)
+    losses, model = _training(8, lazy=True)
+    pydisc.wait_for_compiles()
+    torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
+    m = pydisc.metrics()
+    # steps 0 and 1 are new graphs (SGD's momentum buffers are made at the first), run eagerly; step 2 is
+    # the plain, timed step
+    assert steps[:3] == [(False, True), (False, True), (True, False)], steps
+    if bound == 0.0:
+        assert steps[3:] == [(True, False)] * 5, steps
+        assert "-> eager, not compiled" in m["step_choice"], m["step_choice"]
+        assert m["plans_compiled"] == 0 and m["background_compiles"] == 0
+        assert not any(pydisc.is_lazy(p) for p in model.parameters())
+    else:
+        # lazy again: step 3 is step 1's graph again and compiles; the steps after it run compiled
+        assert steps[3:] == [(False, True)] * 5, steps
+        assert "-> recording" in m["step_choice"], m["step_choice"]
+        assert m["plans_compiled"] == 1 and m["executions"] >= 4, m
+        assert all(pydisc.is_lazy(p) for p in model.parameters())
