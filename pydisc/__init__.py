@@ -46,7 +46,7 @@ def mark_step() -> None:
     data and the recorded graph is dropped. A no-op when nothing is pending."""
     METRICS.mark_steps += 1
     if RECORDER.released and not RECORDER.trace.entries and not background.pending() and \
-            not step_choice.timing():
+            not step_choice.measuring():
         return      # steps run eagerly now (pydisc/step_choice.py): nothing was recorded
     run_pending(None, "mark_step")
 

@@ -69,6 +69,11 @@ def lazy(module: torch.nn.Module, *, device: str | torch.device | None = None) -
     device = torch.device(device) if device is not None else _default_device(module)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("pydisc.lazy: device %s requested but CUDA is not available" % device)
+    if RECORDER.released:
+        # The step choice kept eager for the models before (pydisc/step_choice.py), and their tensors are
+        # plain now: this model's steps are measured afresh rather than passed through for good.
+        from . import step_choice
+        step_choice.reset()
     converted: dict[int, torch.Tensor] = {}   # tied weights stay tied
 
     def convert(t: torch.Tensor | None, is_param: bool):

@@ -5,17 +5,18 @@ compiled clusters do not win that back (small models, host-bound steps; on the H
 workload of bench/workloads.py so far), running the ops at once in torch is faster. Once a step graph
 repeats (plans taken from the cache `WARM` times in a row: their clusters are loaded and their own
 measured choices made), windows of `WINDOW` steps are timed, `ROUNDS` per mode, taking turns:
-compiled, then with the recorder in pass-through (every op runs in torch at once,
-`Recorder.passthrough`), and again. Each window is timed as a whole, synchronised at its ends only,
-as a training loop runs: a step's recording overlaps the device's work on the step before, in both
-modes. A window's timer starts after its first step, which is not timed: the switch of modes
-happens there (a compiled step is captured as a CUDA graph again after the eager window gave the
-graph's memory back, `exec/graphs.py`), which a training loop pays once, not every few steps. The
-fastest window of each mode counts. If eager was faster, pass-through stays on for the
-rest of the process: warned once, in `metrics()["step_choice"]` and the report, and the live lazy
-tensors are released (`frontend/release.py`: each becomes, in place, a plain tensor of its data), so
-that the ops of later steps run in torch without entering pydisc at all. Otherwise the compiled steps
-resume.
+compiled, then plain eager, and again. For the eager windows the live lazy tensors are released
+(`frontend/release.py`: each becomes, in place, a plain tensor of its data), so that the ops run in
+torch without entering pydisc and cost what they cost without it; after the window they are made
+lazy again (`release.restore`). (In pass-through instead, every op that touches a lazy tensor still
+goes through the wrapper: BERT-base b32's eager steps timed 34.9 ms that way against 27.2 plain, and a
+compiled step between the two would have been kept.) Each window is timed as a whole, synchronised at
+its ends only, as a training loop runs: a step's recording overlaps the device's work on the step
+before. A window's timer starts after its first step, which is not timed: the switch of modes happens
+there (a compiled step is captured as a CUDA graph again after the eager window gave the graph's
+memory back, `exec/graphs.py`), which a training loop pays once, not every few steps. The fastest
+window of each mode counts. If eager was faster, the tensors stay plain for the rest of the process:
+warned once, in `metrics()["step_choice"]` and the report. Otherwise the compiled steps resume.
 
 Before any of that, once per process, a step that could never win is caught without compiling: a
 compiled step takes at least as long as recording it (the device may overlap the step before, the
@@ -43,7 +44,7 @@ from .frontend.lazy_tensor import RECORDER
 from .frontend.release import release_all, restore
 from .metrics import METRICS
 
-__all__ = ["after_mark_step", "distributed", "holds_passthrough", "reset", "timing"]
+__all__ = ["after_mark_step", "distributed", "holds_passthrough", "measuring", "reset"]
 
 WARM = 3        # cached runs in a row before measuring
 WINDOW = 4      # steps per timed window (after one untimed step)
@@ -63,8 +64,9 @@ class _State:
         self.recorded_steps = 0    # steps that recorded ops, until the probe
         self.probed = False
         # the plain eager step being timed: [seconds the step before took to record, when the timed step
-        # began, device, the objects released for it]
+        # began, device]
         self.probe: list | None = None
+        self.released: list | None = None    # what the probe or an eager window released, to restore
 
 
 _STATE = _State()
@@ -83,9 +85,10 @@ def holds_passthrough() -> bool:
     return _STATE.phase == "eager" or _STATE.probe is not None or RECORDER.released
 
 
-def timing() -> bool:
-    """Whether a plain eager step is being timed (its mark_step ends it)."""
-    return _STATE.probe is not None
+def measuring() -> bool:
+    """Whether plain eager steps are being timed (the probe, an eager window): their mark_step, with
+    nothing recorded, must still reach `after_mark_step`."""
+    return _STATE.probe is not None or _STATE.phase == "eager"
 
 
 def _now(device: torch.device) -> float:
@@ -114,7 +117,7 @@ def after_mark_step(key, cached: bool, device: torch.device | None, recorded: fl
         if _window_done(s, "eager"):
             if len(s.times["eager"]) == ROUNDS:
                 _decide(s)
-            else:
+            elif _relazy(s):
                 s.phase = "compiled"
                 RECORDER.passthrough = False
         return
@@ -136,21 +139,44 @@ def after_mark_step(key, cached: bool, device: torch.device | None, recorded: fl
         return
     if _window_done(s, "compiled"):
         s.phase = "eager"
-        RECORDER.passthrough = True
         graphs.release_memory()     # eager steps need the memory a captured step holds
+        _release(s)
+
+
+def _release(s: _State) -> None:
+    """Plain eager steps from here on, until `_relazy`: the lazy tensors are released (made plain in
+    place), so that their ops run in torch without entering pydisc, and what they cost is eager's."""
+    s.released = []
+    release_all(s.released)
+    RECORDER.passthrough = RECORDER.released = True
+
+
+def _relazy(s: _State) -> bool:
+    """Recorded steps again: what `_release` released is made lazy again in place. False where some
+    tensor could not be (something else holds it): eager is then kept, which is always correct."""
+    released, s.released = s.released or [], None
+    failed = restore(released)
+    if failed:
+        s.phase = "decided"
+        METRICS.step_choice += "; %d released tensors could not be made lazy again -> eager" % failed
+        _keep_eager("%d tensors released for timed eager steps could not be made lazy again" % failed,
+                    len(released) - failed)
+        return False
+    from . import background   # (it imports this module)
+    RECORDER.released = False
+    RECORDER.passthrough = background.pending()
+    return True
 
 
 def _start_probe(s: _State, recorded: float, device: torch.device) -> None:
-    """The next step runs plainly in torch, timed: the lazy tensors are released for it."""
+    """The next step runs plainly in torch, timed."""
     s.probed = True
-    released: list = []
-    release_all(released)
-    RECORDER.passthrough = RECORDER.released = True
-    s.probe = [recorded, _now(device), device, released]
+    _release(s)
+    s.probe = [recorded, _now(device), device]
 
 
 def _end_probe(s: _State) -> None:
-    recorded, started, device, released = s.probe
+    recorded, started, device = s.probe
     eager = _now(device) - started
     s.probe = None
     keep_eager = recorded > RECORDING_BOUND * eager
@@ -158,19 +184,11 @@ def _end_probe(s: _State) -> None:
         1e3 * recorded, 1e3 * eager, "eager, not compiled" if keep_eager else "recording")
     if keep_eager:
         s.phase = "decided"
+        released, s.released = s.released, None
         _keep_eager("recording a step took %.2f ms, a plain eager step %.2f ms: a compiled step cannot be "
                     "faster than its recording" % (1e3 * recorded, 1e3 * eager), len(released))
         return
-    failed = restore(released)
-    if failed:
-        s.phase = "decided"
-        METRICS.step_choice += "; %d released tensors could not be made lazy again -> eager" % failed
-        _keep_eager("%d tensors released for a timed eager step could not be made lazy again" % failed,
-                    len(released) - failed)
-        return
-    from . import background   # (it imports this module)
-    RECORDER.released = False
-    RECORDER.passthrough = background.pending()
+    _relazy(s)
 
 
 def _window_done(s: _State, mode: str) -> bool:
@@ -198,12 +216,16 @@ def _decide(s: _State) -> None:
     compiled, eager = min(s.times["compiled"]), min(s.times["eager"])
     keep_eager = eager < compiled
     s.phase = "decided"
-    RECORDER.passthrough = keep_eager
     METRICS.step_choice = "compiled %.2f ms, eager %.2f ms per step -> %s" % (
         1e3 * compiled, 1e3 * eager, "eager" if keep_eager else "compiled")
     if keep_eager:
+        released, s.released = s.released or [], None
         _keep_eager("steps ran faster eagerly (%.2f ms) than recorded and compiled (%.2f ms)" % (
-            1e3 * eager, 1e3 * compiled))
+            1e3 * eager, 1e3 * compiled), len(released))
+    elif s.released is not None:
+        _relazy(s)      # decided at the end of an eager window
+    else:
+        RECORDER.passthrough = False
 
 
 def _keep_eager(why: str, released_before: int = 0) -> None:
