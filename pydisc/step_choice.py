@@ -162,10 +162,15 @@ def _relazy(s: _State) -> bool:
         _keep_eager("%d tensors released for timed eager steps could not be made lazy again" % failed,
                     len(released) - failed)
         return False
-    from . import background   # (it imports this module)
     RECORDER.released = False
-    RECORDER.passthrough = background.pending()
+    _record_again()
     return True
+
+
+def _record_again() -> None:
+    """Steps record from the next one on, or pass through while a plan is built in the background."""
+    from . import background   # (it imports this module)
+    RECORDER.passthrough = background.pending()
 
 
 def _start_probe(s: _State, recorded: float, device: torch.device) -> None:
@@ -225,12 +230,12 @@ def _decide(s: _State) -> None:
     elif s.released is not None:
         _relazy(s)      # decided at the end of an eager window
     else:
-        RECORDER.passthrough = False
+        _record_again()
 
 
 def _keep_eager(why: str, released_before: int = 0) -> None:
     """Pass-through for the rest of the process, every lazy tensor that can be released made plain
-    (`released_before`: how many the timed eager step released already)."""
+    (`released_before`: how many the probe or the last eager window released already)."""
     RECORDER.passthrough = True
     graphs.release_memory()
     released, kept = release_all()
