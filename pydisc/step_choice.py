@@ -61,8 +61,7 @@ class _State:
         self.started = 0.0         # when the timed part of the window started (synchronised)
         self.steps = 0             # steps of that window so far, its untimed first step included
         self.times: dict[str, list[float]] = {"compiled": [], "eager": []}   # seconds per step, per window
-        self.recorded_steps = 0    # steps that recorded ops, until the probe
-        self.probed = False
+        self.recorded_steps = 0    # steps that recorded ops, until the probe (at PROBE_AFTER)
         # the plain eager step being timed: [seconds the step before took to record, when the timed step
         # began, device]
         self.probe: list | None = None
@@ -82,7 +81,7 @@ def reset() -> None:
 
 def holds_passthrough() -> bool:
     """Whether pass-through is this module's: an eager window, the timed plain step, or eager kept."""
-    return _STATE.phase == "eager" or _STATE.probe is not None or RECORDER.released
+    return measuring() or RECORDER.released
 
 
 def measuring() -> bool:
@@ -107,7 +106,7 @@ def after_mark_step(key, cached: bool, device: torch.device | None, recorded: fl
         return
     if s.phase == "decided":
         return
-    if recorded and not s.probed and s.phase == "idle" and device is not None and \
+    if recorded and s.recorded_steps < PROBE_AFTER and s.phase == "idle" and device is not None and \
             CONFIG.step_choice in ("all", device.type) and not distributed():
         s.recorded_steps += 1
         if s.recorded_steps >= PROBE_AFTER:
@@ -175,7 +174,6 @@ def _record_again() -> None:
 
 def _start_probe(s: _State, recorded: float, device: torch.device) -> None:
     """The next step runs plainly in torch, timed."""
-    s.probed = True
     _release(s)
     s.probe = [recorded, _now(device), device]
 
