@@ -83,13 +83,49 @@ class SplitForeach:
         key = tuple(_kind(a) for a in args) + tuple((k, _kind(v)) for k, v in kwargs.items())
         op = self.overloads.get(key)
         if op is None:
-            name = torch._C._jit_resolve_packet(self.packet._qualified_op_name, *args, **kwargs)
-            op = self.overloads[key] = getattr(self.packet, name)
+            op = self.overloads[key] = _resolve(self.packet, args, kwargs)
         return op
 
 
 def _kind(a) -> Any:
     return torch.Tensor if isinstance(a, torch.Tensor) else type(a)
+
+
+# what each kind of Python argument binds to in a schema (`torch._C` type kinds): never a tensor to a
+# number; a Python number to a Tensor (as a wrapped number) only for the ops torch allows it for
+_BINDS = {torch.Tensor: {"TensorType"}, float: {"NumberType", "FloatType"},
+          int: {"NumberType", "IntType", "FloatType", "SymIntType"}, bool: {"NumberType", "BoolType"},
+          str: {"StringType"}, type(None): {"NoneType"}}
+_NUMBERS_AS_TENSORS = getattr(torch._C, "_should_allow_numbers_as_tensors", None)
+
+
+def _binds(value, t, numbers_as_tensors: bool) -> bool:
+    kind = t.kind()
+    if kind == "OptionalType":
+        return value is None or _binds(value, t.getElementType(), numbers_as_tensors)
+    return kind in _BINDS.get(_kind(value), ()) or (
+        numbers_as_tensors and kind == "TensorType" and type(value) in (float, int, bool))
+
+
+def _resolve(packet, args: list, kwargs: dict):
+    """The overload of `packet` that calling it with these arguments runs: the first, in the packet's
+    order, whose schema takes them, as torch's own resolution picks it. That
+    (`torch._C._jit_resolve_packet`) is only the fallback, where no schema fits by the rules here: it
+    formats the value of each argument an overload rejects into an error message, which for a 0-d CUDA
+    tensor is a device read (some 80 ms on the H200 host, the first time)."""
+    name = packet._qualified_op_name
+    if _NUMBERS_AS_TENSORS is not None:
+        numbers_as_tensors = _NUMBERS_AS_TENSORS(name.split("::")[1])
+        for overload in packet.overloads():
+            arguments = getattr(packet, overload)._schema.arguments
+            positional = [a.name for a in arguments if not a.kwarg_only]
+            if len(args) > len(positional) or not set(kwargs) <= {a.name for a in arguments}:
+                continue
+            given = dict(zip(positional, args), **kwargs)
+            if all(_binds(given[a.name], a.type, numbers_as_tensors) if a.name in given else a.has_default_value()
+                   for a in arguments):
+                return getattr(packet, overload)
+    return getattr(packet, torch._C._jit_resolve_packet(name, *args, **kwargs))
 
 
 _SPLITS: dict[int, SplitForeach] = {}     # id(foreach OpOverload) -> its entries' function

@@ -127,6 +127,12 @@ def test_split_foreach_calls_element_overloads_not_the_packet(monkeypatch) -> No
     addcmul = SplitForeach(torch.ops.aten._foreach_addcmul_.Scalar)
     mul = SplitForeach(torch.ops.aten._foreach_mul_.Scalar)
     monkeypatch.setattr(torch._ops.OpOverloadPacket, "__call__", counting)
+
+    def unwanted(*args, **kwargs):
+        # formats each rejected argument's value into an error message: a device read for a CUDA tensor
+        raise AssertionError("torch._C._jit_resolve_packet called for %s" % (args[0],))
+
+    monkeypatch.setattr(torch._C, "_jit_resolve_packet", unwanted)
     for w in weights:
         lerp(got, ys, w)
         addcmul(got, ys, ys, 0.5)
@@ -135,6 +141,33 @@ def test_split_foreach_calls_element_overloads_not_the_packet(monkeypatch) -> No
     assert lerp.overloads == {(torch.Tensor, torch.Tensor, torch.Tensor): torch.ops.aten.lerp_.Tensor}
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e)
+
+
+def test_element_overloads_are_the_ones_torch_resolves() -> None:
+    """`_resolve` picks, for every kind of argument a foreach element passes (tensors, 0-d tensors,
+    floats, ints, bools, the `alpha`/`value` keywords), the overload that torch's own resolution picks:
+    numbers bind to Tensor parameters only for the ops torch allows it for (`mul_(t, 2.0)` runs
+    `mul_.Tensor`, `pow(t, 2.0)` runs `pow.Tensor_Scalar`)."""
+    import itertools
+
+    from pydisc.frontend.foreach import _resolve
+
+    t, zero_d = torch.randn(3), torch.tensor(0.5)
+    names = ["lerp_", "mul_", "mul", "add_", "sub", "div_", "div", "addcmul_", "addcdiv_", "sqrt", "pow", "clamp",
+             "clamp_min_", "maximum", "abs_", "neg", "copy_", "zero_", "fill_", "norm", "max"]
+    checked = 0
+    for name in names:
+        packet = getattr(torch.ops.aten, name)
+        for arity in (1, 2, 3):
+            for rest in itertools.product([t, zero_d, 0.5, 2, True], repeat=arity - 1):
+                for kwargs in ({}, {"alpha": 2.0}, {"value": 0.5}):
+                    try:
+                        expected = torch._C._jit_resolve_packet(packet._qualified_op_name, t, *rest, **kwargs)
+                    except RuntimeError:
+                        continue        # no overload takes these
+                    assert _resolve(packet, [t, *rest], kwargs) is getattr(packet, expected), (name, rest, kwargs)
+                    checked += 1
+    assert checked > 100
 
 
 def test_foreach_entries_in_steps_with_dynamic_dims_match_one_template() -> None:
