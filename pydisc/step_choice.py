@@ -66,6 +66,7 @@ class _State:
         # began, device]
         self.probe: list | None = None
         self.released: list | None = None    # what the probe or an eager window released, to restore
+        self.kept: list = []       # ... and weak references to the lazy tensors it could not release
 
 
 _STATE = _State()
@@ -145,8 +146,8 @@ def after_mark_step(key, cached: bool, device: torch.device | None, recorded: fl
 def _release(s: _State) -> None:
     """Plain eager steps from here on, until `_relazy`: the lazy tensors are released (made plain in
     place), so that their ops run in torch without entering pydisc, and what they cost is eager's."""
-    s.released = []
-    release_all(s.released)
+    s.released, s.kept = [], []
+    release_all(s.released, s.kept)
     RECORDER.passthrough = RECORDER.released = True
 
 
@@ -158,8 +159,8 @@ def _relazy(s: _State) -> bool:
     if failed:
         s.phase = "decided"
         METRICS.step_choice += "; %d released tensors could not be made lazy again -> eager" % failed
-        _keep_eager("%d tensors released for timed eager steps could not be made lazy again" % failed,
-                    len(released) - failed)
+        # (they stay plain; the others are lazy again, and released anew)
+        _keep_eager("%d tensors released for timed eager steps could not be made lazy again" % failed, failed)
         return False
     RECORDER.released = False
     _record_again()
@@ -189,7 +190,7 @@ def _end_probe(s: _State) -> None:
         s.phase = "decided"
         released, s.released = s.released, None
         _keep_eager("recording a step took %.2f ms, a plain eager step %.2f ms: a compiled step cannot be "
-                    "faster than its recording" % (1e3 * recorded, 1e3 * eager), len(released))
+                    "faster than its recording" % (1e3 * recorded, 1e3 * eager), len(released), _kept_alive(s))
         return
     _relazy(s)
 
@@ -222,21 +223,31 @@ def _decide(s: _State) -> None:
     METRICS.step_choice = "compiled %.2f ms, eager %.2f ms per step -> %s" % (
         1e3 * compiled, 1e3 * eager, "eager" if keep_eager else "compiled")
     if keep_eager:
-        released, s.released = s.released or [], None
+        released, s.released = s.released, None
         _keep_eager("steps ran faster eagerly (%.2f ms) than recorded and compiled (%.2f ms)" % (
-            1e3 * eager, 1e3 * compiled), len(released))
+            1e3 * eager, 1e3 * compiled), len(released or ()), released is None or _kept_alive(s))
     elif s.released is not None:
         _relazy(s)      # decided at the end of an eager window
     else:
         _record_again()
 
 
-def _keep_eager(why: str, released_before: int = 0) -> None:
+def _kept_alive(s: _State) -> bool:
+    """Whether a lazy tensor that the probe or the eager window just ended could not release is still
+    alive (the step before's loss, with its autograd history, usually is not by then). Nothing has
+    recorded since, so otherwise nothing lazy that could be released is left."""
+    alive = any(ref() is not None for ref in s.kept)
+    s.kept = []
+    return alive
+
+
+def _keep_eager(why: str, released_before: int = 0, walk: bool = True) -> None:
     """Pass-through for the rest of the process, every lazy tensor that can be released made plain
-    (`released_before`: how many the probe or the last eager window released already)."""
+    (`released_before`: how many the probe or the eager window that just ended released). `walk`: look
+    for more, through every object of the process (`release_all`, ~110 ms on the H200 host)."""
     RECORDER.passthrough = True
     graphs.release_memory()
-    released, kept = release_all()
+    released, kept = release_all() if walk else (0, 0)
     released += released_before
     RECORDER.released = True
     METRICS.step_choice += " (%d lazy tensors released to plain, %d kept lazy)" % (released, kept)

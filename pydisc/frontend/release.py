@@ -47,10 +47,10 @@ def _plain(t: LazyTensor) -> torch.Tensor:
     return plain
 
 
-def release_all(into: list | None = None) -> tuple[int, int]:
+def release_all(into: list | None = None, kept_into: list | None = None) -> tuple[int, int]:
     """Swap every live, materialized lazy tensor for a plain one in place. Call with nothing pending
     (right after a mark_step). Returns (released, kept lazy); the released objects are appended to
-    `into` if given (`restore` makes them lazy again)."""
+    `into` if given (`restore` makes them lazy again), weak references to the kept ones to `kept_into`."""
     with RECORDER.lock:
         if RECORDER.trace.entries:
             raise RuntimeError("pydisc: release_all() with ops pending; call pydisc.mark_step() first")
@@ -66,11 +66,15 @@ def release_all(into: list | None = None) -> tuple[int, int]:
         for t in lazies:
             if not _releasable(t):
                 kept += 1
+                if kept_into is not None:
+                    kept_into.append(weakref.ref(t))
                 continue
             try:
                 torch.utils.swap_tensors(t, _plain(t))
             except RuntimeError:        # held elsewhere: its checks run before anything is swapped
                 kept += 1
+                if kept_into is not None:
+                    kept_into.append(weakref.ref(t))
             else:
                 released += 1
                 if into is not None:

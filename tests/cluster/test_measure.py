@@ -377,7 +377,7 @@ def test_step_choice_windows_take_turns_and_the_fastest_counts(step_choice_cpu, 
 
     clock = [0.0]
     monkeypatch.setattr(step_choice, "_now", lambda device: clock[0])
-    monkeypatch.setattr(step_choice, "release_all", lambda into=None: (0, 0))
+    monkeypatch.setattr(step_choice, "release_all", lambda into=None, kept_into=None: (0, 0))
     cpu = torch.device("cpu")
 
     def run(per_step: list, *, then_plan: bool = False) -> str:
@@ -430,6 +430,8 @@ def test_a_step_that_records_slower_than_a_plain_eager_step_keeps_eager_without_
         mark_step()
     monkeypatch.setattr(pydisc, "mark_step", noting_mark_step)
     monkeypatch.setattr(pydisc, "lazy", lambda m, _lazy=pydisc.lazy: params.extend(_lazy(m).parameters()) or m)
+    walks = []      # release_all walks every object of the process: once for the probe, not again to keep eager
+    monkeypatch.setattr(step_choice, "release_all", lambda *a, _r=step_choice.release_all: walks.append(1) or _r(*a))
     expected, _ = _training(8, lazy=False)
     losses, model = _training(8, lazy=True)
     pydisc.wait_for_compiles()
@@ -438,9 +440,11 @@ def test_a_step_that_records_slower_than_a_plain_eager_step_keeps_eager_without_
     # steps 0 and 1 are new graphs (SGD's momentum buffers are made at the first), run eagerly; step 2 is
     # the plain, timed step
     assert steps[:3] == [(False, True), (False, True), (True, False)], steps
+    assert len(walks) == 1
     if bound == 0.0:
         assert steps[3:] == [(True, False)] * 5, steps
         assert "-> eager, not compiled" in m["step_choice"], m["step_choice"]
+        assert "lazy tensors released to plain, 0 kept lazy" in m["step_choice"], m["step_choice"]
         assert m["plans_compiled"] == 0 and m["background_compiles"] == 0
         assert not any(pydisc.is_lazy(p) for p in model.parameters())
     else:
