@@ -31,8 +31,16 @@ def _moved(x, device: torch.device):
 
 
 def _pre_hook(device: torch.device):
+    tensor = torch.Tensor
+
     def hook(module, args, kwargs):
         if RECORDER.released:       # steps run eagerly from now on (pydisc/step_choice.py)
+            if not kwargs:
+                for a in args:
+                    if type(a) is not tensor or a.device != device:
+                        break
+                else:
+                    return None     # (the common case, at the cost of an empty hook: a few µs a step)
             moved = _moved(args, device), _moved(kwargs, device)
             return None if moved[0] is args and moved[1] is kwargs else moved
         return _lazy_input(args, device), _lazy_input(kwargs, device)
@@ -69,6 +77,8 @@ def lazy(module: torch.nn.Module, *, device: str | torch.device | None = None) -
     device = torch.device(device) if device is not None else _default_device(module)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("pydisc.lazy: device %s requested but CUDA is not available" % device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())   # as tensors' `.device` names it
     if RECORDER.released:
         # The step choice kept eager for the models before (pydisc/step_choice.py), and their tensors are
         # plain now: this model's steps are measured afresh rather than passed through for good.

@@ -365,6 +365,15 @@ def test_released_steps_pass_inputs_through_untouched(step_choice_cpu, monkeypat
     assert pydisc.to_lazy(x) is x and pydisc.to_lazy(extra) is extra    # the explicit route too
     monkeypatch.setattr(pydisc, "run_pending", lambda *a: pytest.fail("nothing was recorded"))
     pydisc.mark_step()
+    # inputs on another device than the module's are still moved there (a model made lazy for a GPU,
+    # fed CPU batches): here, a hook for the meta device
+    from pydisc.module import _pre_hook
+    assert _pre_hook(torch.device("cpu"))(model, (x, x), {}) is None
+    (moved_x, moved_extra), moved_kwargs = _pre_hook(torch.device("meta"))(model, (x, extra), {"scale": scale})
+    assert moved_x.device.type == "meta" and moved_extra[0].device.type == "meta" and moved_extra[1] == 3
+    assert moved_kwargs["scale"].device.type == "meta"
+    (moved_x,), _ = _pre_hook(torch.device("meta"))(model, (x,), {})
+    assert moved_x.device.type == "meta" and tuple(moved_x.shape) == (3, 4)
 
 
 def test_step_choice_windows_take_turns_and_the_fastest_counts(step_choice_cpu, monkeypatch):
