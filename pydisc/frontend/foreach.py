@@ -237,13 +237,13 @@ def _split(func, args, kwargs):
             results.append(packet(*elem_args, **elem_kwargs))    # no lazy tensor: torch runs it
             continue
         # the element's overload (add(t, 0.5) is add.Tensor with a float), resolved once per argument
-        # types as torch's dispatcher would (dynamo's way); the element then goes to the recorder
-        # directly, without torch's dispatch into the subclass (about half the cost of recording an op)
+        # types as torch's dispatcher would (`_resolve`: torch's own resolution would format a rejected
+        # lazy argument, i.e. run what it needs); the element then goes to the recorder directly,
+        # without torch's dispatch into the subclass (about half the cost of recording an op)
         key = (func, tuple(type(a) for a in elem_args), tuple(elem_kwargs))
         op = _ELEMENT_OPS.get(key)
         if op is None:
-            overload = torch._C._jit_resolve_packet(packet._qualified_op_name, *elem_args, **elem_kwargs)
-            op = _ELEMENT_OPS[key] = getattr(packet, overload)
+            op = _ELEMENT_OPS[key] = _resolve(packet, elem_args, elem_kwargs)
         results.append(RECORDER.dispatch(op, tuple(elem_args), elem_kwargs))
     if not func._schema.returns:
         return None

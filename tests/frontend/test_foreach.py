@@ -218,3 +218,24 @@ def test_foreach_entries_in_steps_with_dynamic_dims_match_one_template() -> None
         assert m["dynamic_matches"] >= 3 and not m["fallback_ops"] and not m["compile_failures"], m
     finally:
         pstep.clear_plans()
+
+
+def test_a_split_foreach_op_does_not_run_its_pending_arguments() -> None:
+    """An op split per element (a list holds an eager tensor) resolves each element's overload without
+    torch's resolution, which formats each argument an overload rejects into its error message: for a
+    pending lazy tensor (`lerp_.Scalar` rejecting a weight of `_foreach_lerp_.List`), that ran what the
+    weight needed."""
+    ys = [pydisc.to_lazy(t) for t in _tensors(0)]
+    w = pydisc.to_lazy(torch.tensor(0.25))
+    expected = [t.clone() for t in _tensors(0)]
+    pydisc.mark_step()
+    pydisc.reset_metrics()
+    xs = [pydisc.to_lazy(t) for t in _tensors(1)]
+    xs[1] = _tensors(1)[1]      # an eager tensor in the list: the op is split
+    weights = [w * 2] * len(ys)     # pending
+    torch._foreach_lerp_(ys, xs, weights)
+    assert pydisc.metrics()["materializations"] == 0
+    pydisc.mark_step()
+    torch._foreach_lerp_(expected, _tensors(1), 0.5)
+    for y, e in zip(ys, expected):
+        torch.testing.assert_close(y.cpu(), e)
