@@ -16,7 +16,10 @@ before. A window's timer starts after its first step, which is not timed: the sw
 there (a compiled step is captured as a CUDA graph again after the eager window gave the graph's
 memory back, `exec/graphs.py`), which a training loop pays once, not every few steps. The fastest
 window of each mode counts. If eager was faster, the tensors stay plain for the rest of the process:
-warned once, in `metrics()["step_choice"]` and the report. Otherwise the compiled steps resume.
+warned once, in `metrics()["step_choice"]` and the report. Otherwise the compiled steps resume, timed
+in blocks of `WATCH` steps; a block `DRIFT` times slower or faster than the compiled windows were means
+the machine changed under the measurement (a load that slowed the eager windows has gone), and the
+windows are timed again (`_watch`).
 
 Before any of that, once per process, a step that could never win is caught without compiling: a
 compiled step takes at least as long as recording it (the device may overlap the step before, the
@@ -51,6 +54,9 @@ WINDOW = 4      # steps per timed window (after one untimed step)
 ROUNDS = 2      # windows per mode, taking turns: compiled, eager, compiled, eager
 PROBE_AFTER = 2         # the recorded step whose recording the plain eager step is compared with
 RECORDING_BOUND = 1.3   # recording a step this many times slower than a plain eager step: eager kept
+WATCH = 50      # compiled steps kept: steps per block whose time is watched
+DRIFT = 1.5     # a block this many times slower or faster than the compiled windows were: measured again
+RECHECKS = 3    # at most this many times per process
 
 
 class _State:
@@ -66,6 +72,12 @@ class _State:
         # began, device]
         self.probe: list | None = None
         self.released: list | None = None    # what the probe or an eager window released, to restore
+        # compiled steps kept: their time per step in the windows, the watched block's start and steps
+        self.kept_compiled: float | None = None
+        self.block_started = 0.0
+        self.block_steps = 0
+        self.rechecks = 0
+        self.again = ""            # why the windows are timed again, for the report
         self.kept: list = []       # ... and weak references to the lazy tensors it could not release
 
 
@@ -91,6 +103,9 @@ def measuring() -> bool:
     return _STATE.probe is not None or _STATE.phase == "eager"
 
 
+_host_clock = time.perf_counter
+
+
 def _now(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -106,6 +121,8 @@ def after_mark_step(key, cached: bool, device: torch.device | None, recorded: fl
         _end_probe(s)
         return
     if s.phase == "decided":
+        if s.kept_compiled is not None:
+            _watch(s, key is not None and cached)
         return
     if recorded and s.recorded_steps < PROBE_AFTER and s.phase == "idle" and device is not None and \
             CONFIG.step_choice in ("all", device.type) and not distributed():
@@ -220,8 +237,10 @@ def _decide(s: _State) -> None:
     compiled, eager = min(s.times["compiled"]), min(s.times["eager"])
     keep_eager = eager < compiled
     s.phase = "decided"
-    METRICS.step_choice = "compiled %.2f ms, eager %.2f ms per step -> %s" % (
-        1e3 * compiled, 1e3 * eager, "eager" if keep_eager else "compiled")
+    METRICS.step_choice = "%scompiled %.2f ms, eager %.2f ms per step -> %s" % (
+        s.again, 1e3 * compiled, 1e3 * eager, "eager" if keep_eager else "compiled")
+    s.kept_compiled = None if keep_eager else compiled
+    s.block_steps = 0
     if keep_eager:
         released, s.released = s.released, None
         _keep_eager("steps ran faster eagerly (%.2f ms) than recorded and compiled (%.2f ms)" % (
@@ -230,6 +249,31 @@ def _decide(s: _State) -> None:
         _relazy(s)      # decided at the end of an eager window
     else:
         _record_again()
+
+
+def _watch(s: _State, from_cache: bool) -> None:
+    """Compiled steps kept: time them in blocks of `WATCH` steps (host time, no synchronisation: a block's
+    steps are queued as fast as the device takes them). A block `DRIFT` times slower or faster than the
+    compiled windows were says the machine changed under the measurement (another process's load came or
+    went: eager CPU ops on two cores ran 9x slower while a test suite ran beside them, compiled ones 2x),
+    and the windows are timed again, up to `RECHECKS` times per process."""
+    if not from_cache:          # a step that planned: not a step of the block
+        s.block_steps = 0
+        return
+    if s.block_steps == 0:
+        s.block_started = _host_clock()
+    s.block_steps += 1
+    if s.block_steps <= WATCH:
+        return
+    per_step = (_host_clock() - s.block_started) / WATCH
+    s.block_steps = 0
+    if s.rechecks < RECHECKS and not s.kept_compiled / DRIFT <= per_step <= s.kept_compiled * DRIFT:
+        s.rechecks += 1
+        s.again = "measured again (compiled steps took %.2f ms, against %.2f in the windows): " % (
+            1e3 * per_step, 1e3 * s.kept_compiled)
+        s.kept_compiled = None
+        s.phase, s.steps = "compiled", 0
+        s.times = {"compiled": [], "eager": []}
 
 
 def _kept_alive(s: _State) -> bool:

@@ -417,6 +417,43 @@ def test_step_choice_windows_take_turns_and_the_fastest_counts(step_choice_cpu, 
     assert "-> eager" in run([{"compiled": 0.020, "eager": 0.010}] * 10, then_plan=True)
 
 
+def test_kept_compiled_steps_are_measured_again_when_their_time_drifts(step_choice_cpu, monkeypatch):
+    # Compiled steps kept are timed in blocks of WATCH steps: one DRIFT times faster or slower than the
+    # compiled windows were (the load that slowed the eager windows has gone) times the windows again,
+    # which can then keep eager; at most RECHECKS times per process.
+    from pydisc import step_choice
+    from pydisc.frontend.lazy_tensor import RECORDER
+
+    clock = [0.0]
+    monkeypatch.setattr(step_choice, "_now", lambda device: clock[0])
+    monkeypatch.setattr(step_choice, "_host_clock", lambda: clock[0])
+    monkeypatch.setattr(step_choice, "release_all", lambda into=None, kept_into=None: (0, 0))
+    monkeypatch.setattr(step_choice, "restore", lambda objects: 0)
+    cpu = torch.device("cpu")
+    step_choice.reset()
+    pydisc.reset_metrics()
+
+    def steps(n: int, compiled: float, eager: float) -> list:
+        modes = []
+        for _ in range(n):
+            modes.append("eager" if RECORDER.passthrough else "compiled")
+            clock[0] += eager if RECORDER.passthrough else compiled
+            step_choice.after_mark_step(None if RECORDER.passthrough else ("plan",), True, cpu)
+        return modes
+
+    steps(3 + 20, compiled=0.030, eager=0.060)   # under load: eager's windows slower
+    assert pydisc.metrics()["step_choice"] == "compiled 30.00 ms, eager 60.00 ms per step -> compiled"
+    # a block (timed from its first step's end) within DRIFT of the windows: nothing happens
+    assert set(steps(step_choice.WATCH + 1, compiled=0.035, eager=0.060)) == {"compiled"}
+    # the load is gone: compiled steps take 15 ms, eager ones 7: the windows are timed again
+    modes = steps(step_choice.WATCH + 1 + 20, compiled=0.015, eager=0.007)
+    assert modes[:step_choice.WATCH + 1] == ["compiled"] * (step_choice.WATCH + 1) and "eager" in modes
+    assert pydisc.metrics()["step_choice"].startswith(
+        "measured again (compiled steps took 15.00 ms, against 30.00 in the windows): "
+        "compiled 15.00 ms, eager 7.00 ms per step -> eager")
+    assert RECORDER.passthrough
+
+
 @pytest.mark.parametrize("bound", [0.0, 1e9])
 def test_a_step_that_records_slower_than_a_plain_eager_step_keeps_eager_without_compiling(
         step_choice_cpu, monkeypatch, bound):
