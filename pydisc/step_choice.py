@@ -240,7 +240,7 @@ def _decide(s: _State) -> None:
     METRICS.step_choice = "%scompiled %.2f ms, eager %.2f ms per step -> %s" % (
         s.again, 1e3 * compiled, 1e3 * eager, "eager" if keep_eager else "compiled")
     s.kept_compiled = None if keep_eager else compiled
-    s.block_steps = 0
+    s.block_steps = -WATCH     # the first block is not watched: the mode switches back in it (a capture)
     if keep_eager:
         released, s.released = s.released, None
         _keep_eager("steps ran faster eagerly (%.2f ms) than recorded and compiled (%.2f ms)" % (
@@ -253,12 +253,16 @@ def _decide(s: _State) -> None:
 
 def _watch(s: _State, from_cache: bool) -> None:
     """Compiled steps kept: time them in blocks of `WATCH` steps (host time, no synchronisation: a block's
-    steps are queued as fast as the device takes them). A block `DRIFT` times slower or faster than the
+    steps are queued as fast as the device takes them), after one block that is not timed (its first
+    step captures the CUDA graph again, which takes longer than a block of small steps). A block `DRIFT` times slower or faster than the
     compiled windows were says the machine changed under the measurement (another process's load came or
     went: eager CPU ops on two cores ran 9x slower while a test suite ran beside them, compiled ones 2x),
     and the windows are timed again, up to `RECHECKS` times per process."""
     if not from_cache:          # a step that planned: not a step of the block
-        s.block_steps = 0
+        s.block_steps = min(s.block_steps, 0)
+        return
+    if s.block_steps < 0:
+        s.block_steps += 1
         return
     if s.block_steps == 0:
         s.block_started = _host_clock()

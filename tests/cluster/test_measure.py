@@ -443,7 +443,9 @@ def test_kept_compiled_steps_are_measured_again_when_their_time_drifts(step_choi
 
     steps(3 + 20, compiled=0.030, eager=0.060)   # under load: eager's windows slower
     assert pydisc.metrics()["step_choice"] == "compiled 30.00 ms, eager 60.00 ms per step -> compiled"
-    # a block (timed from its first step's end) within DRIFT of the windows: nothing happens
+    # the first block is not watched (here its steps take 200 ms: captures again); then a block (timed
+    # from its first step's end) within DRIFT of the windows: nothing happens
+    assert set(steps(step_choice.WATCH, compiled=0.200, eager=0.060)) == {"compiled"}
     assert set(steps(step_choice.WATCH + 1, compiled=0.035, eager=0.060)) == {"compiled"}
     # the load is gone: compiled steps take 15 ms, eager ones 7: the windows are timed again
     modes = steps(step_choice.WATCH + 1 + 20, compiled=0.015, eager=0.007)
