@@ -16,10 +16,10 @@ before. A window's timer starts after its first step, which is not timed: the sw
 there (a compiled step is captured as a CUDA graph again after the eager window gave the graph's
 memory back, `exec/graphs.py`), which a training loop pays once, not every few steps. The fastest
 window of each mode counts. If eager was faster, the tensors stay plain for the rest of the process:
-warned once, in `metrics()["step_choice"]` and the report. Otherwise the compiled steps resume, timed
-in blocks of `WATCH` steps; a block `DRIFT` times slower or faster than the compiled windows were means
-the machine changed under the measurement (a load that slowed the eager windows has gone), and the
-windows are timed again (`_watch`).
+warned once, in `metrics()["step_choice"]` and the report. Otherwise the compiled steps resume, and the
+time between their mark_steps is watched: a median over `WATCH` steps `DRIFT` times slower or faster
+than the compiled windows were means the machine changed under the measurement (a load that slowed the
+eager windows has gone), and the windows are timed again (`_watch`).
 
 Before any of that, once per process, a step that could never win is caught without compiling: a
 compiled step takes at least as long as recording it (the device may overlap the step before, the
@@ -72,10 +72,12 @@ class _State:
         # began, device]
         self.probe: list | None = None
         self.released: list | None = None    # what the probe or an eager window released, to restore
-        # compiled steps kept: their time per step in the windows, the watched block's start and steps
+        # compiled steps kept: their time per step in the windows; the last mark_step's host time, steps
+        # not to note, the noted times between mark_steps
         self.kept_compiled: float | None = None
-        self.block_started = 0.0
-        self.block_steps = 0
+        self.last_mark: float | None = None
+        self.skip = 0
+        self.intervals: list[float] = []
         self.rechecks = 0
         self.again = ""            # why the windows are timed again, for the report
         self.kept: list = []       # ... and weak references to the lazy tensors it could not release
@@ -240,7 +242,7 @@ def _decide(s: _State) -> None:
     METRICS.step_choice = "%scompiled %.2f ms, eager %.2f ms per step -> %s" % (
         s.again, 1e3 * compiled, 1e3 * eager, "eager" if keep_eager else "compiled")
     s.kept_compiled = None if keep_eager else compiled
-    s.block_steps = -WATCH     # the first block is not watched: the mode switches back in it (a capture)
+    s.last_mark, s.skip, s.intervals = None, WATCH, []
     if keep_eager:
         released, s.released = s.released, None
         _keep_eager("steps ran faster eagerly (%.2f ms) than recorded and compiled (%.2f ms)" % (
@@ -252,25 +254,26 @@ def _decide(s: _State) -> None:
 
 
 def _watch(s: _State, from_cache: bool) -> None:
-    """Compiled steps kept: time them in blocks of `WATCH` steps (host time, no synchronisation: a block's
-    steps are queued as fast as the device takes them), after one block that is not timed (its first
-    step captures the CUDA graph again, which takes longer than a block of small steps). A block `DRIFT` times slower or faster than the
-    compiled windows were says the machine changed under the measurement (another process's load came or
-    went: eager CPU ops on two cores ran 9x slower while a test suite ran beside them, compiled ones 2x),
-    and the windows are timed again, up to `RECHECKS` times per process."""
-    if not from_cache:          # a step that planned: not a step of the block
-        s.block_steps = min(s.block_steps, 0)
+    """Compiled steps kept: the host time from one `mark_step` to the next is noted (no synchronisation: a
+    loop's steps are queued as fast as the device takes them), and the median of each `WATCH` of them
+    compared with the compiled windows' time per step (a median, because what the loop does between
+    some steps counts too: an evaluation, a checkpoint, the bench's other modes). One `DRIFT` times slower
+    or faster says the machine changed under the measurement (another process's load came or went:
+    eager CPU ops on two cores ran 9x slower while a test suite ran beside them, compiled ones 2x), and
+    the windows are timed again, up to `RECHECKS` times per process. The `WATCH` steps after a decision
+    are not noted: the first captures the CUDA graph again, which takes longer than many small steps."""
+    now = _host_clock()
+    last, s.last_mark = s.last_mark, now
+    if not from_cache or last is None:   # a step that planned is not a step's time
         return
-    if s.block_steps < 0:
-        s.block_steps += 1
+    if s.skip:
+        s.skip -= 1
         return
-    if s.block_steps == 0:
-        s.block_started = _host_clock()
-    s.block_steps += 1
-    if s.block_steps <= WATCH:
+    s.intervals.append(now - last)
+    if len(s.intervals) < WATCH:
         return
-    per_step = (_host_clock() - s.block_started) / WATCH
-    s.block_steps = 0
+    per_step = sorted(s.intervals)[WATCH // 2]
+    s.intervals = []
     if s.rechecks < RECHECKS and not s.kept_compiled / DRIFT <= per_step <= s.kept_compiled * DRIFT:
         s.rechecks += 1
         s.again = "measured again (compiled steps took %.2f ms, against %.2f in the windows): " % (
