@@ -54,8 +54,8 @@ WINDOW = 4      # steps per timed window (after one untimed step)
 ROUNDS = 2      # windows per mode, taking turns: compiled, eager, compiled, eager
 PROBE_AFTER = 2         # the recorded step whose recording the plain eager step is compared with
 RECORDING_BOUND = 1.3   # recording a step this many times slower than a plain eager step: eager kept
-WATCH = 50      # compiled steps kept: steps per block whose time is watched
-DRIFT = 1.5     # a block this many times slower or faster than the compiled windows were: measured again
+WATCH = 50      # compiled steps kept: the median time between this many mark_steps is watched
+DRIFT = 1.5     # ... and one this many times slower or faster than the compiled windows: measured again
 RECHECKS = 3    # at most this many times per process
 
 
@@ -72,6 +72,7 @@ class _State:
         # began, device]
         self.probe: list | None = None
         self.released: list | None = None    # what the probe or an eager window released, to restore
+        self.kept: list = []       # ... and weak references to the lazy tensors it could not release
         # compiled steps kept: their time per step in the windows; the last mark_step's host time, steps
         # not to note, the noted times between mark_steps
         self.kept_compiled: float | None = None
@@ -80,7 +81,6 @@ class _State:
         self.intervals: list[float] = []
         self.rechecks = 0
         self.again = ""            # why the windows are timed again, for the report
-        self.kept: list = []       # ... and weak references to the lazy tensors it could not release
 
 
 _STATE = _State()
