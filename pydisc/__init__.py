@@ -47,7 +47,8 @@ def mark_step() -> None:
     METRICS.mark_steps += 1
     if RECORDER.released and not RECORDER.trace.entries and not background.pending() and \
             not step_choice.measuring():
-        return      # steps run eagerly now (pydisc/step_choice.py): nothing was recorded
+        step_choice.eager_step()    # steps run eagerly now (pydisc/step_choice.py): nothing was recorded
+        return
     run_pending(None, "mark_step")
 
 
