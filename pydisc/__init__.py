@@ -47,8 +47,7 @@ def mark_step() -> None:
     METRICS.mark_steps += 1
     if RECORDER.released and not RECORDER.trace.entries and not background.pending() and \
             not step_choice.measuring():
-        step_choice.eager_step()    # steps run eagerly now (pydisc/step_choice.py): nothing was recorded
-        return
+        return      # steps run eagerly now (pydisc/step_choice.py): nothing was recorded
     run_pending(None, "mark_step")
 
 

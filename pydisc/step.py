@@ -194,7 +194,9 @@ def run_pending(target: LazyTensor | None = None, reason: str = "mark_step") -> 
 
 
 def _run(trace: Trace, target: LazyTensor | None) -> tuple:
-    """Returns (the plan's cache key or None, whether the plan came from the cache, the device)."""
+    """Returns (which plan ran: its id, None where it is not reusable; whether it came from the plan
+    cache; the device), for `step_choice.after_mark_step`. (The id, not the cache key: a key is hashed
+    anew at each lookup, and the steps of a dynamic-shape template share its plan.)"""
     n = len(trace.entries)
     cached = graphed = False
     if target is None:
@@ -291,7 +293,7 @@ def _run(trace: Trace, target: LazyTensor | None) -> tuple:
     for op, count in plan.library_ops.items():
         METRICS.library_ops[op] += count
     _bind(trace, outputs, results, executed, remaining)
-    return key, cached, device
+    return (id(plan) if key is not None else None), cached, device
 
 
 def _scalars(values: list, device: torch.device) -> torch.Tensor:

@@ -16,11 +16,12 @@ before. A window's timer starts after its first step, which is not timed: the sw
 there (a compiled step is captured as a CUDA graph again after the eager window gave the graph's
 memory back, `exec/graphs.py`), which a training loop pays once, not every few steps. The fastest
 window of each mode counts. If eager was faster, the tensors stay plain for the rest of the process:
-warned once, in `metrics()["step_choice"]` and the report. Otherwise the compiled steps resume. Either
-way, the time between the kept mode's mark_steps is watched: a median over `WATCH` steps `DRIFT` times
-slower or faster than that mode's windows were means the machine changed under the measurement (a load
-that slowed the other mode's windows has gone), and the windows are timed again (`_watch`; eager kept,
-the released tensors are made lazy again for them).
+warned once, in `metrics()["step_choice"]` and the report. Otherwise the compiled steps resume, and the
+time between their mark_steps is watched (steps of the plans the windows ran): a median over `WATCH`
+steps `DRIFT` times slower or faster than the compiled windows were means the machine changed under the
+measurement (a load that slowed the eager windows has gone), and the windows are timed again (`_watch`).
+Eager kept is not watched: with no recording, a loop that turns to other steps (sampling after
+training) cannot be told from a machine that changed.
 
 Before any of that, once per process, a step that could never win is caught without compiling: a
 compiled step takes at least as long as recording it (the device may overlap the step before, the
@@ -38,7 +39,6 @@ torch.distributed process group (each rank would decide alone).
 from __future__ import annotations
 
 import time
-import weakref
 
 import torch
 
@@ -49,15 +49,15 @@ from .frontend.lazy_tensor import RECORDER
 from .frontend.release import release_all, restore
 from .metrics import METRICS
 
-__all__ = ["after_mark_step", "distributed", "eager_step", "holds_passthrough", "measuring", "reset"]
+__all__ = ["after_mark_step", "distributed", "holds_passthrough", "measuring", "reset"]
 
 WARM = 3        # cached runs in a row before measuring
 WINDOW = 4      # steps per timed window (after one untimed step)
 ROUNDS = 2      # windows per mode, taking turns: compiled, eager, compiled, eager
 PROBE_AFTER = 2         # the recorded step whose recording the plain eager step is compared with
 RECORDING_BOUND = 1.3   # recording a step this many times slower than a plain eager step: eager kept
-WATCH = 50      # the mode kept: the median time between this many of its mark_steps is watched
-DRIFT = 1.5     # ... and one this many times slower or faster than its windows: measured again
+WATCH = 50      # compiled steps kept: the median time between this many mark_steps is watched
+DRIFT = 1.5     # ... and one this many times slower or faster than the compiled windows: measured again
 RECHECKS = 3    # at most this many times per process
 
 
@@ -75,15 +75,13 @@ class _State:
         self.probe: list | None = None
         self.released: list | None = None    # what the probe or an eager window released, to restore
         self.kept: list = []       # ... and weak references to the lazy tensors it could not release
-        # the mode the windows kept ("compiled", "eager"; None: not watched) and its time per step there;
-        # the objects released for good (weak references: `restore` makes them lazy if measured again);
-        # the last mark_step's host time, steps not to note, the noted times between mark_steps
-        self.kept_mode: str | None = None
-        self.kept_time = 0.0
-        self.kept_objects: list = []
+        # compiled steps kept: their time per step in the windows; the last mark_step's host time, steps
+        # not to note, the noted times between mark_steps
+        self.kept_compiled: float | None = None
         self.last_mark: float | None = None
         self.skip = 0
         self.intervals: list[float] = []
+        self.window_keys: set = set()      # the plans the compiled windows ran
         self.rechecks = 0
         self.again = ""            # why the windows are timed again, for the report
 
@@ -119,14 +117,8 @@ def _now(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def eager_step() -> None:
-    """Called by a `mark_step()` that had nothing to run, the tensors released: a plain eager step."""
-    if _STATE.kept_mode == "eager":
-        _watch(_STATE, True)
-
-
 def after_mark_step(key, cached: bool, device: torch.device | None, recorded: float = 0.0) -> None:
-    """Called at the end of each `mark_step()`: `key` is the plan the step ran (None: nothing ran, or
+    """Called at the end of each `mark_step()`: `key` says which plan the step ran (None: nothing ran, or
     a plan not reusable), `cached` whether it came from the plan cache, `recorded` the seconds the
     step spent recording ops (less meta kernels; 0: it recorded none)."""
     s = _STATE
@@ -134,8 +126,8 @@ def after_mark_step(key, cached: bool, device: torch.device | None, recorded: fl
         _end_probe(s)
         return
     if s.phase == "decided":
-        if s.kept_mode == "compiled":
-            _watch(s, key is not None and cached)
+        if s.kept_compiled is not None:
+            _watch(s, key if cached else None)
         return
     if recorded and s.recorded_steps < PROBE_AFTER and s.phase == "idle" and device is not None and \
             CONFIG.step_choice in ("all", device.type) and not distributed():
@@ -167,6 +159,7 @@ def after_mark_step(key, cached: bool, device: torch.device | None, recorded: fl
         if s.streak >= WARM:
             s.phase, s.device, s.steps = "compiled", device, 0
         return
+    s.window_keys.add(key)
     if _window_done(s, "compiled"):
         s.phase = "eager"
         graphs.release_memory()     # eager steps need the memory a captured step holds
@@ -252,33 +245,35 @@ def _decide(s: _State) -> None:
     s.phase = "decided"
     METRICS.step_choice = "%scompiled %.2f ms, eager %.2f ms per step -> %s" % (
         s.again, 1e3 * compiled, 1e3 * eager, "eager" if keep_eager else "compiled")
-    s.kept_mode, s.kept_time = ("eager", eager) if keep_eager else ("compiled", compiled)
+    s.kept_compiled = None if keep_eager else compiled
     s.last_mark, s.skip, s.intervals = None, WATCH, []
     if keep_eager:
         released, s.released = s.released, None
-        objects = list(released or ())
         _keep_eager("steps ran faster eagerly (%.2f ms) than recorded and compiled (%.2f ms)" % (
-            1e3 * eager, 1e3 * compiled), len(objects), released is None or _kept_alive(s), objects)
-        s.kept_objects = [weakref.ref(t) for t in objects]
+            1e3 * eager, 1e3 * compiled), len(released or ()), released is None or _kept_alive(s))
     elif s.released is not None:
         _relazy(s)      # decided at the end of an eager window
     else:
         _record_again()
 
 
-def _watch(s: _State, from_cache: bool) -> None:
-    """Steps of the mode the windows kept: the host time from one `mark_step` to the next is noted (no
-    synchronisation: a loop's steps are queued as fast as the device takes them), and the median of each
-    `WATCH` of them compared with that mode's time per step in the windows (a median, because what the
-    loop does between some steps counts too: an evaluation, a checkpoint, the bench's other modes). One
-    `DRIFT` times slower or faster says the machine changed under the measurement (another process's load
-    came or went: eager CPU ops on two cores ran 9x slower while a test suite ran beside them, compiled
-    ones 2x), and the windows are timed again, up to `RECHECKS` times per process; eager kept, the
-    tensors it released are made lazy again for that. The `WATCH` steps after a decision are not noted:
-    the first captures the CUDA graph again, which takes longer than many small steps."""
+def _watch(s: _State, key) -> None:
+    """Compiled steps kept: the host time from one `mark_step` to the next is noted (no synchronisation: a
+    loop's steps are queued as fast as the device takes them) where both steps ran plans that the
+    compiled windows ran (`key`: None for a step that planned; a loop that turns to other steps, say
+    sampling after training, is not the machine changing), and the median of each `WATCH` of them
+    compared with the compiled windows' time per step (a median, because what the loop does between
+    some steps counts too: an evaluation, a checkpoint, the bench's other modes). One `DRIFT` times slower
+    or faster says the machine changed under the measurement (another process's load came or went:
+    eager CPU ops on two cores ran 9x slower while a test suite ran beside them, compiled ones 2x), and
+    the windows are timed again, up to `RECHECKS` times per process. The `WATCH` steps after a decision
+    are not noted: the first captures the CUDA graph again, which takes longer than many small steps."""
+    if key not in s.window_keys:
+        s.last_mark = None
+        return
     now = _host_clock()
     last, s.last_mark = s.last_mark, now
-    if not from_cache or last is None:   # a step that planned is not a step's time
+    if last is None:
         return
     if s.skip:
         s.skip -= 1
@@ -288,25 +283,14 @@ def _watch(s: _State, from_cache: bool) -> None:
         return
     per_step = sorted(s.intervals)[WATCH // 2]
     s.intervals = []
-    if s.rechecks >= RECHECKS or s.kept_time / DRIFT <= per_step <= s.kept_time * DRIFT:
-        return
-    s.rechecks += 1
-    s.again = "measured again (%s steps took %.2f ms, against %.2f in the windows): " % (
-        s.kept_mode, 1e3 * per_step, 1e3 * s.kept_time)
-    mode, s.kept_mode = s.kept_mode, None
-    if mode == "eager":
-        objects = [t for t in (ref() for ref in s.kept_objects) if t is not None]
-        s.kept_objects = []     # (a tensor with a weak reference cannot be swapped)
-        failed = restore(objects)
-        if failed:
-            # something holds some of them: all plain again, eager kept for good
-            release_all()
-            METRICS.step_choice = s.again + "%d released tensors could not be made lazy again -> eager" % failed
-            return
-        RECORDER.released = False
-        _record_again()
-    s.phase, s.steps, s.streak = "compiled", 0, 0
-    s.times = {"compiled": [], "eager": []}
+    if s.rechecks < RECHECKS and not s.kept_compiled / DRIFT <= per_step <= s.kept_compiled * DRIFT:
+        s.rechecks += 1
+        s.again = "measured again (compiled steps took %.2f ms, against %.2f in the windows): " % (
+            1e3 * per_step, 1e3 * s.kept_compiled)
+        s.kept_compiled = None
+        s.phase, s.steps = "compiled", 0
+        s.times = {"compiled": [], "eager": []}
+        s.window_keys = set()
 
 
 def _kept_alive(s: _State) -> bool:
@@ -318,14 +302,13 @@ def _kept_alive(s: _State) -> bool:
     return alive
 
 
-def _keep_eager(why: str, released_before: int = 0, walk: bool = True, into: list | None = None) -> None:
+def _keep_eager(why: str, released_before: int = 0, walk: bool = True) -> None:
     """Pass-through for the rest of the process, every lazy tensor that can be released made plain
     (`released_before`: how many the probe or the eager window that just ended released). `walk`: look
-    for more, through every object of the process (`release_all`, ~110 ms on the H200 host); `into`:
-    where to add what it releases."""
+    for more, through every object of the process (`release_all`, ~110 ms on the H200 host)."""
     RECORDER.passthrough = True
     graphs.release_memory()
-    released, kept = release_all(into) if walk else (0, 0)
+    released, kept = release_all() if walk else (0, 0)
     released += released_before
     RECORDER.released = True
     METRICS.step_choice += " (%d lazy tensors released to plain, %d kept lazy)" % (released, kept)
