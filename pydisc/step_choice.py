@@ -183,7 +183,7 @@ def _relazy(s: _State) -> bool:
         s.phase = "decided"
         METRICS.step_choice += "; %d released tensors could not be made lazy again -> eager" % failed
         # (they stay plain; the others are lazy again, and released anew)
-        _keep_eager("%d tensors released for timed eager steps could not be made lazy again" % failed, failed)
+        _keep_eager(s, "%d tensors released for timed eager steps could not be made lazy again" % failed, failed)
         return False
     RECORDER.released = False
     _record_again()
@@ -211,9 +211,8 @@ def _end_probe(s: _State) -> None:
         1e3 * recorded, 1e3 * eager, "eager, not compiled" if keep_eager else "recording")
     if keep_eager:
         s.phase = "decided"
-        released, s.released = s.released, None
-        _keep_eager("recording a step took %.2f ms, a plain eager step %.2f ms: a compiled step cannot be "
-                    "faster than its recording" % (1e3 * recorded, 1e3 * eager), len(released), _kept_alive(s))
+        _keep_eager(s, "recording a step took %.2f ms, a plain eager step %.2f ms: a compiled step cannot be "
+                    "faster than its recording" % (1e3 * recorded, 1e3 * eager))
         return
     _relazy(s)
 
@@ -248,9 +247,8 @@ def _decide(s: _State) -> None:
     s.kept_compiled = None if keep_eager else compiled
     s.last_mark, s.skip, s.intervals = None, WATCH, []
     if keep_eager:
-        released, s.released = s.released, None
-        _keep_eager("steps ran faster eagerly (%.2f ms) than recorded and compiled (%.2f ms)" % (
-            1e3 * eager, 1e3 * compiled), len(released or ()), released is None or _kept_alive(s))
+        _keep_eager(s, "steps ran faster eagerly (%.2f ms) than recorded and compiled (%.2f ms)" % (
+            1e3 * eager, 1e3 * compiled))
     elif s.released is not None:
         _relazy(s)      # decided at the end of an eager window
     else:
@@ -293,23 +291,21 @@ def _watch(s: _State, key) -> None:
         s.window_keys = set()
 
 
-def _kept_alive(s: _State) -> bool:
-    """Whether a lazy tensor that the probe or the eager window just ended could not release is still
-    alive (the step before's loss, with its autograd history, usually is not by then). Nothing has
-    recorded since, so otherwise nothing lazy that could be released is left."""
-    alive = any(ref() is not None for ref in s.kept)
-    s.kept = []
-    return alive
-
-
-def _keep_eager(why: str, released_before: int = 0, walk: bool = True) -> None:
+def _keep_eager(s: _State, why: str, plain_before: int = 0) -> None:
     """Pass-through for the rest of the process, every lazy tensor that can be released made plain
-    (`released_before`: how many the probe or the eager window that just ended released). `walk`: look
-    for more, through every object of the process (`release_all`, ~110 ms on the H200 host)."""
+    (`plain_before`: how many are plain already, besides what the probe or an eager window released).
+
+    Where the probe or an eager window just released everything it could (`s.released`), nothing has
+    recorded since, so walking every object of the process again (`release_all`, ~110 ms on the H200
+    host) finds nothing new, unless a tensor it could not release is still alive (the step before's loss,
+    with its autograd history, usually is not by then)."""
+    released_before, s.released = s.released, None
+    walk = released_before is None or any(ref() is not None for ref in s.kept)
+    s.kept = []
     RECORDER.passthrough = True
     graphs.release_memory()
     released, kept = release_all() if walk else (0, 0)
-    released += released_before
+    released += plain_before + len(released_before or ())
     RECORDER.released = True
     METRICS.step_choice += " (%d lazy tensors released to plain, %d kept lazy)" % (released, kept)
     warn_once("step-choice", "pydisc: %s; from now on every op runs in torch at once, nothing is compiled "

@@ -47,6 +47,26 @@ def _plain(t: LazyTensor) -> torch.Tensor:
     return plain
 
 
+def _grads_detached(tensors) -> list[tuple]:
+    """A gradient is held by its parameter's C++ tensor, which a swap replaces: detach the gradients of
+    `tensors` (leaves only: torch warns when a non-leaf's is read) and return them, to put back after."""
+    grads = []
+    for t in tensors:
+        g = t.grad if t.grad_fn is None else None
+        if g is not None:
+            grads.append((t, g))
+            t.grad = None
+    return grads
+
+
+def _swapped(t: torch.Tensor, new: torch.Tensor) -> bool:
+    try:
+        torch.utils.swap_tensors(t, new)
+    except RuntimeError:        # held elsewhere: its checks run before anything is swapped
+        return False
+    return True
+
+
 def release_all(into: list | None = None, kept_into: list | None = None) -> tuple[int, int]:
     """Swap every live, materialized lazy tensor for a plain one in place. Call with nothing pending
     (right after a mark_step). Returns (released, kept lazy); the released objects are appended to
@@ -55,31 +75,18 @@ def release_all(into: list | None = None, kept_into: list | None = None) -> tupl
         if RECORDER.trace.entries:
             raise RuntimeError("pydisc: release_all() with ops pending; call pydisc.mark_step() first")
         lazies = [o for o in gc.get_objects() if type(o) is LazyTensor]   # (no __class__ lookups)
-        # A gradient is held by its parameter's C++ tensor: detach them while swapping, put them back after.
-        grads = {}
-        for t in lazies:
-            g = t._grad if t.grad_fn is None else None     # (torch warns when a non-leaf's is read)
-            if g is not None:
-                grads[id(t)] = (t, g)
-                t.grad = None
+        grads = _grads_detached(lazies)
         released = kept = 0
         for t in lazies:
-            if not _releasable(t):
-                kept += 1
-                if kept_into is not None:
-                    kept_into.append(weakref.ref(t))
-                continue
-            try:
-                torch.utils.swap_tensors(t, _plain(t))
-            except RuntimeError:        # held elsewhere: its checks run before anything is swapped
-                kept += 1
-                if kept_into is not None:
-                    kept_into.append(weakref.ref(t))
-            else:
+            if _releasable(t) and _swapped(t, _plain(t)):
                 released += 1
                 if into is not None:
                     into.append(t)
-        for t, g in grads.values():
+            else:
+                kept += 1
+                if kept_into is not None:
+                    kept_into.append(weakref.ref(t))
+        for t, g in grads:
             t.grad = g
         return released, kept
 
@@ -106,12 +113,7 @@ def restore(objects: list) -> int:
                               storage, real=real)
 
         plain = [t for t in objects if not isinstance(t, LazyTensor)]
-        grads = {}    # detached while swapping (a parameter's C++ tensor holds its gradient), as in release_all
-        for t in plain:
-            g = t.grad if t.grad_fn is None else None
-            if g is not None:
-                grads[id(t)] = (t, g)
-                t.grad = None
+        grads = _grads_detached(plain)
         failed = 0
         for t in plain:
             if t.grad_fn is not None or weakref.getweakrefs(t):
@@ -124,11 +126,9 @@ def restore(objects: list) -> int:
                 lazy = data.requires_grad_(t.requires_grad)
             for name, value in t.__dict__.items():
                 setattr(lazy, name, value)
-            try:
-                torch.utils.swap_tensors(t, lazy)
-            except RuntimeError:
+            if not _swapped(t, lazy):
                 failed += 1
-        for t, g in grads.values():
+        for t, g in grads:
             # a gradient released with its parameter is lazy again; one made by the plain steps is wrapped
             t.grad = g if isinstance(g, LazyTensor) or not isinstance(t, LazyTensor) else lazy_of(g)
         return failed
