@@ -27,7 +27,7 @@ from .. import metrics as _metrics
 from ..config import CONFIG
 from .source import user_source
 from .symbolic import SymArg, SymbolicStep, hint
-from .trace import VALUE_REFS, VALUE_SIGS, Entry, LazyStorage, Trace, ValueRef, out_kind
+from .trace import OUT_KINDS, VALUE_REFS, VALUE_SIGS, Entry, LazyStorage, Trace, ValueRef, grow_values, out_kind
 
 __all__ = ["StrictModeError", "LazyTensor", "is_lazy", "to_lazy", "materialize", "current_trace", "set_executor", "Recorder",
            "LiftedScalar", "liftable", "RECORDER"]
@@ -714,11 +714,13 @@ class Recorder:
             if recipe.reinterprets:
                 return self.run_eager(func, args, kwargs, info, fallback=True)
             return self._record(func, args, kwargs, info, recipe, fakes)
-        try:
-            recipe = self.recipe(func, args, kwargs, info)
-        except Exception:
-            # no meta kernel, or an output whose shape depends on data: run it eagerly
-            return self.run_eager(func, args, kwargs, info, fallback=True)
+        recipe = self.meta_cache.get(self.meta_key(func, args, kwargs))
+        if recipe is None:
+            try:
+                recipe = self.recipe(func, args, kwargs, info)
+            except Exception:
+                # no meta kernel, or an output whose shape depends on data: run it eagerly
+                return self.run_eager(func, args, kwargs, info, fallback=True)
         if recipe.reinterprets:
             return self.run_eager(func, args, kwargs, info, fallback=True)
         return self._record(func, args, kwargs, info, recipe, None)
@@ -767,10 +769,12 @@ class Recorder:
                     storage.written = True
                     writes.append(storage)
         entry_index = len(trace.entries)
+        kind = OUT_KINDS[entry_index] if entry_index < len(OUT_KINDS) else out_kind(entry_index)
         outs = []
         out_vids = []
         device = recipe.device
         tensors = trace.tensors
+        values, storages, metas = trace.values, trace.storages, trace.metas
         for j, out in enumerate(recipe.outputs):
             if out is None:
                 outs.append(None)
@@ -785,8 +789,7 @@ class Recorder:
             if source is not None:
                 storage = _arg(args, kwargs, source[1], source[2])._storage
             else:
-                storage = LazyStorage(nbytes)
-                storage.epoch = epoch
+                storage = LazyStorage(nbytes, None, epoch)
             if fakes is None and layout_key is not None:
                 # LazyTensor.__new__ without its checks: the recipe holds the layout and its id
                 t = _make_wrapper(LazyTensor, size, strides=stride, storage_offset=offset, dtype=dtype,
@@ -794,17 +797,23 @@ class Recorder:
                     _make_wrapper(LazyTensor, size, strides=stride, dtype=dtype, device=device)
                 t._storage = storage
                 t._mk = layout_key
-                vid = trace.new_value(out_kind(entry_index), storage, meta)
+                # Trace.new_value inline
+                vid = len(values)
+                if vid >= len(VALUE_REFS):
+                    grow_values(vid)
+                values.append(kind)
+                storages[vid] = storage
+                metas[vid] = meta
             else:
                 t = LazyTensor(size, stride, offset, dtype, device, storage)
                 if fakes is not None:
                     t._fake = fakes[j]
                     t._fake_sid = self.symbolic.id
-                    vid = trace.new_value(out_kind(entry_index), storage, t._concrete + (dtype,)
+                    vid = trace.new_value(kind, storage, t._concrete + (dtype,)
                                           if t._concrete is not None else meta)
                     trace.sym_metas[vid] = meta
                 else:
-                    vid = trace.new_value(out_kind(entry_index), storage, meta)
+                    vid = trace.new_value(kind, storage, meta)
             if source is None:
                 storage.creator = vid
             t._vid = vid

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 __all__ = [
-    "LazyStorage", "ValueRef", "RealRef", "ScalarRef", "Entry", "Trace",
+    "LazyStorage", "ValueRef", "RealRef", "ScalarRef", "Entry", "Trace", "grow_values", "out_kind",
 ]
 
 
@@ -33,12 +33,12 @@ class LazyStorage:
 
     __slots__ = ("real", "nbytes", "creator", "written", "epoch", "input_index", "ordinal", "__weakref__")
 
-    def __init__(self, nbytes: int, real: torch.Tensor | None = None) -> None:
+    def __init__(self, nbytes: int, real: torch.Tensor | None = None, epoch: int = -1) -> None:
         self.real = real
         self.nbytes = nbytes
         self.creator: int | None = None
         self.written = False
-        self.epoch = -1             # trace epoch in which creator/written/input_index are valid
+        self.epoch = epoch          # trace epoch in which creator/written/input_index are valid
         self.input_index = -1       # index into Trace.storage_inputs for this epoch
         self.ordinal = -1           # a step input: made lazy as the ordinal-th input of its step
 
@@ -70,6 +70,12 @@ OUT_KINDS: list[tuple] = []        # ("out", entry index)
 def _grow(table: list, n: int, make: Callable[[int], Any]) -> None:
     while len(table) <= n:
         table.append(make(len(table)))
+
+
+def grow_values(vid: int) -> None:
+    """Make the shared objects that stand for value ids up to `vid`."""
+    _grow(VALUE_REFS, vid, ValueRef)
+    _grow(VALUE_SIGS, vid, lambda i: ("v", i))
 
 
 def out_kind(entry_index: int) -> tuple:
@@ -123,8 +129,7 @@ class Trace:
     def new_value(self, kind: tuple, storage: LazyStorage, meta: tuple) -> int:
         vid = len(self.values)
         if vid >= len(VALUE_REFS):
-            _grow(VALUE_REFS, vid, ValueRef)
-            _grow(VALUE_SIGS, vid, lambda i: ("v", i))
+            grow_values(vid)
         self.values.append(kind)
         self.storages[vid] = storage
         self.metas[vid] = meta
