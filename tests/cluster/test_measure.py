@@ -465,6 +465,44 @@ def test_kept_compiled_steps_are_measured_again_when_their_time_drifts(step_choi
     assert RECORDER.passthrough
 
 
+def test_on_a_gpu_the_watch_compares_with_its_first_median_not_the_windows(step_choice_cpu, monkeypatch):
+    # On a GPU the host queues a step and returns while the device still runs the one before: the time
+    # between the mark_steps of a device-bound step is shorter than its time in the synchronised windows
+    # (the chain on the H200: 0.58 ms against 1.87), which is not a changed machine. There the first median
+    # after the choice is the reference; a drift from it still times the windows again.
+    from pydisc import step_choice
+    from pydisc.frontend.lazy_tensor import RECORDER
+
+    clock = [0.0]
+    monkeypatch.setattr(step_choice, "_now", lambda device: clock[0])
+    monkeypatch.setattr(step_choice, "_host_clock", lambda: clock[0])
+    monkeypatch.setattr(step_choice, "release_all", lambda into=None, kept_into=None: (0, 0))
+    monkeypatch.setattr(step_choice, "restore", lambda objects: 0)
+    monkeypatch.setattr(CONFIG, "step_choice", "all")
+    gpu = torch.device("cuda", 0)      # only named: the clocks are faked and nothing is captured
+    step_choice.reset()
+    pydisc.reset_metrics()
+
+    def steps(n: int, compiled: float, eager: float) -> list:
+        modes = []
+        for _ in range(n):
+            modes.append("eager" if RECORDER.passthrough else "compiled")
+            clock[0] += eager if RECORDER.passthrough else compiled
+            step_choice.after_mark_step(None if RECORDER.passthrough else ("plan",), True, gpu)
+        return modes
+
+    steps(3 + 20, compiled=0.0019, eager=0.0020)
+    assert pydisc.metrics()["step_choice"] == "compiled 1.90 ms, eager 2.00 ms per step -> compiled"
+    # queued steps: 0.6 ms between mark_steps, a third of the windows' time, for 4 medians: kept
+    assert set(steps(1 + 5 * step_choice.WATCH, compiled=0.0006, eager=0.0020)) == {"compiled"}
+    assert pydisc.metrics()["step_choice"] == "compiled 1.90 ms, eager 2.00 ms per step -> compiled"
+    # then twice as slow as that: measured again
+    modes = steps(step_choice.WATCH + 20, compiled=0.0012, eager=0.0020)
+    assert modes[:step_choice.WATCH] == ["compiled"] * step_choice.WATCH and "eager" in modes
+    assert pydisc.metrics()["step_choice"].startswith(
+        "measured again (compiled steps took 1.20 ms, against 0.60 just after the choice): ")
+
+
 @pytest.mark.parametrize("bound", [0.0, 1e9])
 def test_a_step_that_records_slower_than_a_plain_eager_step_keeps_eager_without_compiling(
         step_choice_cpu, monkeypatch, bound):
