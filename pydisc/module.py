@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from .frontend import inference
 from .frontend.lazy_tensor import RECORDER, LazyTensor, to_lazy
 
 __all__ = ["lazy"]
@@ -43,6 +44,7 @@ def _pre_hook(device: torch.device):
                     return None     # (the common case, at the cost of an empty hook: a few µs a step)
             moved = _moved(args, device), _moved(kwargs, device)
             return None if moved[0] is args and moved[1] is kwargs else moved
+        inference.use_for_forward()     # F.linear and matmul recorded whole where no grad is recorded
         return _lazy_input(args, device), _lazy_input(kwargs, device)
     return hook
 

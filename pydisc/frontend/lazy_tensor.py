@@ -276,7 +276,9 @@ class OpInfo:
         if schema.is_mutable and func._opname.endswith("_"):   # add_ is recorded, add is lowered
             packet = getattr(torch.ops.aten, func._opname[:-1], None)
             functional = getattr(packet, func._overloadname, func) if packet is not None else func
-        self.unruled = functional not in LOWERINGS and functional not in DECOMPOSITIONS
+        # (composite ops, such as `linear` recorded whole in steps without grad, are split by torch)
+        self.unruled = functional not in LOWERINGS and functional not in DECOMPOSITIONS and \
+            not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
 
 
 _TENSOR_RETURN_TYPES = {"Tensor", "List[Tensor]", "Tensor[]", "Optional[Tensor]", "Tensor?"}

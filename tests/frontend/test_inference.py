@@ -1,0 +1,102 @@
+"""Steps without grad record `F.linear` and `matmul` whole (frontend/inference.py); with grad, under
+autocast, or outside a lazy module's forward they take torch's usual path. Values against eager."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import pydisc
+from pydisc.frontend import inference
+from pydisc.frontend.lazy_tensor import current_trace
+
+aten = torch.ops.aten
+
+
+class Net(nn.Module):
+    """Linear layers on a 3-D input, a batched matmul (attention scores), a matmul with a plain tensor
+    on the left, a matrix-vector product and F.linear without a bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.out = nn.Linear(32, 8, bias=False)
+        self.register_buffer("v", torch.randn(8))
+
+    def forward(self, x, plain):
+        h = self.inp(x)                                  # [b, t, 32]
+        scores = h @ h.transpose(1, 2)                   # [b, t, t]
+        h = torch.matmul(scores.softmax(-1), h)          # [b, t, 32]
+        h = F.linear(h, self.out.weight)                 # [b, t, 8]
+        left = plain @ h                                 # plain [t, b?]: [b, t, 8] broadcast on the left
+        return h.matmul(self.v) + left.sum(-1)           # [b, t]
+
+
+def _ops(trace) -> list:
+    return [e.fn for e in trace.entries]
+
+
+def _models():
+    torch.manual_seed(0)
+    ref = Net()
+    lazy = Net()
+    lazy.load_state_dict(ref.state_dict())
+    return ref, pydisc.lazy(lazy)
+
+
+def test_without_grad_linear_and_matmul_are_recorded_whole_and_match_eager():
+    ref, model = _models()
+    x, plain = torch.randn(3, 5, 16), torch.randn(5, 5)
+    with torch.no_grad():
+        want = ref(x, plain)
+        got = model(x, plain)
+        ops = _ops(current_trace())
+    assert inference.installed()
+    assert ops.count(aten.linear.default) == 2 and ops.count(aten.matmul.default) == 4
+    assert aten.addmm.default not in ops and aten.bmm.default not in ops and aten.mm.default not in ops
+    pydisc.mark_step()
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_with_grad_they_are_split_and_gradients_match_eager():
+    ref, model = _models()
+    x, plain = torch.randn(3, 5, 16), torch.randn(5, 5)
+    with torch.no_grad():
+        model(x, plain)          # an inference step first: installed ...
+    pydisc.mark_step()
+    assert inference.installed()
+    ref(x, plain).square().sum().backward()
+    loss = model(x, plain).square().sum()
+    assert not inference.installed()     # ... and removed by a forward with grad
+    ops = _ops(current_trace())
+    assert aten.linear.default not in ops and aten.matmul.default not in ops
+    loss.backward()
+    pydisc.mark_step()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_under_autocast_they_take_torchs_path_and_are_cast():
+    ref, model = _models()
+    x, plain = torch.randn(3, 5, 16), torch.randn(5, 5)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = ref(x, plain)
+        got = model(x, plain)
+        ops = _ops(current_trace())
+    assert aten.linear.default not in ops and aten.matmul.default not in ops
+    pydisc.mark_step()
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got.cpu(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("shapes", [((4,), (4,)), ((4,), (4, 3)), ((2, 4), (4,)), ((2, 3, 4), (4, 5)),
+                                    ((2, 1, 3, 4), (5, 4, 2))])
+def test_matmul_shapes_recorded_whole_match_eager(shapes):
+    # every matmul case torch distinguishes (dot, vector-matrix, matrix-vector, folded, broadcast batch)
+    a, b = (torch.randn(s) for s in shapes)
+    la, lb = pydisc.to_lazy(a.clone()), pydisc.to_lazy(b.clone())
+    with torch.no_grad():
+        inference.use_for_forward()          # what a lazy module's forward does
+        got = la @ lb
+        assert _ops(current_trace()) == [aten.matmul.default]
+    pydisc.mark_step()
+    torch.testing.assert_close(got.cpu(), a @ b, rtol=1e-5, atol=1e-5)
