@@ -261,8 +261,8 @@ def _decide(s: _State) -> None:
 
 
 def _watch(s: _State, key) -> None:
-    """Compiled steps kept: the host time from one `mark_step` to the next is noted (no synchronisation: a
-    loop's steps are queued as fast as the device takes them) where both steps ran plans that the
+    """Compiled steps kept on the CPU: the host time from one `mark_step` to the next is noted (a CPU step
+    has run when its mark_step returns) where both steps ran plans that the
     compiled windows ran (`key`: None for a step that planned; a loop that turns to other steps, say
     sampling after training, is not the machine changing), and the median of each `WATCH` of them
     compared with the compiled windows' time per step (a median, because what the loop does between
@@ -270,7 +270,7 @@ def _watch(s: _State, key) -> None:
     or faster says the machine changed under the measurement (another process's load came or went:
     eager CPU ops on two cores ran 9x slower while a test suite ran beside them, compiled ones 2x), and
     the windows are timed again, up to `RECHECKS` times per process. The `WATCH` steps after a decision
-    are not noted: the first captures the CUDA graph again, which takes longer than many small steps."""
+    are not noted: the first ones still settle (memory given back by the windows, caches warming)."""
     if key not in s.window_keys:
         s.last_mark = None
         return
