@@ -480,7 +480,9 @@ def run_one(name: str, args) -> dict:
     row["clusters/step"] = met["executions"] / steps
     row["eager/step"] = (sum(met["fallback_ops"].values()) + sum(met["library_ops"].values())) / steps
     row["fallbacks/step"] = sum(met["fallback_ops"].values()) / steps
-    row["record us/op"] = 1e6 * sum(m.record_seconds for m in modes if m.name == "pydisc") / max(1, met["recorded_ops"])
+    # (none where the steps ran eagerly: their time is not recording)
+    row["record us/op"] = 1e6 * sum(m.record_seconds for m in modes if m.name == "pydisc") / met["recorded_ops"] \
+        if met["recorded_ops"] else None
     row.setdefault("compiles", met["compiles"])
     row.setdefault("disk cache hits", met["disk_cache_hits"])
     row["plans"] = met["plans_compiled"]
@@ -530,7 +532,7 @@ def table(rows: list[dict]) -> str:
         # steps run eagerly (kept so by the step choice, or while plans were built in the background)
         # record (almost) nothing: their time per op is not recording
         eager_steps = "-> eager" in r.get("step choice", "") or r.get("steps while compiling")
-        record = "-" if eager_steps else "%.1f" % r["record us/op"]
+        record = "-" if eager_steps or r.get("record us/op") is None else "%.1f" % r["record us/op"]
         out.append("| %s | %s | %s | %s | %s | %s | %s | %.1f | %.1f (%.1f) | %s | %d (%d) |" % (
             r["title"], _ms(e), _ms(c), _ms(p), ratio(p, e), ratio(p, c), first, r["clusters/step"], r["eager/step"],
             r["fallbacks/step"], record, r["compiles"], r["disk cache hits"]))
