@@ -14,7 +14,9 @@ ms instead of 1.62 on the 2-core VM.
 A Python `__torch_function__` costs ~1 µs on every torch call and attribute read of a lazy tensor, so it
 is installed only while the lazy module's forward runs without grad (`use_for_forward`, from the module's
 input hook) and removed at the next forward with grad. Where something else must see the composite op
-(autograd, autocast's casts, functorch transforms, a dispatch mode), the call takes torch's usual path.
+(autograd, autocast's casts, functorch transforms, a dispatch mode other than the one of a step recorded
+with symbolic sizes), the call takes torch's usual path. Steps recorded with symbolic sizes and those
+recorded with concrete ones record the same ops, so that the latter match the former's template.
 """
 from __future__ import annotations
 
@@ -40,8 +42,9 @@ _modes = torch._C._len_torch_dispatch_stack
 
 def _torch_function(cls, func, types, args=(), kwargs=None):
     known = _OPS.get(func)
+    # (a step recorded with symbolic sizes has one dispatch mode of its own, frontend/symbolic.py)
     if known is not None and not _grad_enabled() and (not kwargs or kwargs.keys() <= known[1]) \
-            and not _autocast() and not _functorch() and not _modes():
+            and not _autocast() and not _functorch() and _modes() == (RECORDER.symbolic is not None):
         return RECORDER.dispatch(known[0], args, kwargs or {})
     with _NO_SUBCLASS():
         return func(*args, **(kwargs or {}))

@@ -100,3 +100,31 @@ def test_matmul_shapes_recorded_whole_match_eager(shapes):
         assert _ops(current_trace()) == [aten.matmul.default]
     pydisc.mark_step()
     torch.testing.assert_close(got.cpu(), a @ b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_step_recorded_with_symbolic_sizes_records_them_whole_too():
+    # the template of a dynamic batch is recorded with symbolic sizes (under a dispatch mode of pydisc's
+    # own); later steps, recorded with concrete sizes, must record the same ops to match it
+    from pydisc.frontend.lazy_tensor import RECORDER
+    from pydisc.step import clear_plans
+
+    clear_plans()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)).eval()
+    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)).eval()
+    ref.load_state_dict(net.state_dict())
+    pydisc.lazy(net)
+    pydisc.reset_metrics()
+    symbolic_ops = None
+    with torch.no_grad():
+        for n in (5, 7, 9, 31, 2):
+            x = torch.randn(n, 8)
+            out = net(x)
+            if RECORDER.symbolic is not None:
+                symbolic_ops = _ops(current_trace())
+            pydisc.mark_step()
+            torch.testing.assert_close(out.cpu(), ref(x), rtol=1e-5, atol=1e-6)
+    assert symbolic_ops is not None and symbolic_ops.count(aten.linear.default) == 2
+    m = pydisc.metrics()
+    assert m["dynamic_templates"] == 1 and m["dynamic_matches"] == 2, m
+    clear_plans()
