@@ -32,6 +32,8 @@ class Config:
     # on CUDA, matmuls and convolutions run in torch (cuBLAS/cuDNN, several times faster than IREE's
     # code) between compiled clusters; "iree" keeps them inside the clusters
     gpu_matmul: str = _env("PYDISC_GPU_MATMUL", "torch")
+    # on the CPU the same choice: "torch" runs them in torch's libraries (oneDNN, MKL) between the clusters
+    cpu_matmul: str = _env("PYDISC_CPU_MATMUL", "iree")
     # on CUDA, how compiled clusters run: "direct" launches IREE's kernels on torch's current stream
     # (pydisc/exec/direct), "iree" calls IREE's runtime (its own stream, a host sync per call)
     gpu_executor: str = _env("PYDISC_GPU_EXECUTOR", "direct")

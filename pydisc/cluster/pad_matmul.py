@@ -39,7 +39,7 @@ _TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
 
 def pads_matmuls(device: torch.device) -> bool:
     """Whether matmuls on `device` run in cuBLAS (and so are padded)."""
-    return library_ops_in_torch(device)
+    return device.type == "cuda" and library_ops_in_torch(device)
 
 
 def pad_unaligned_matmuls(gm: torch.fx.GraphModule, device: torch.device) -> int:

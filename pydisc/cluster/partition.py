@@ -127,12 +127,12 @@ class _Support(OperatorSupportBase):
 
     def library(self, node: torch.fx.Node) -> bool:
         """Whether `node` runs in torch's libraries by choice on this device (matmuls, convolutions,
-        softmaxes, scatters whose coordinates may repeat, max pooling, concatenations)."""
-        if node.op != "call_function" or self.device.type != "cuda":
+        softmaxes; on a GPU also scatters whose coordinates may repeat, max pooling, concatenations)."""
+        if node.op != "call_function":
             return False
         if node.target in LIBRARY_OPS:
             return library_ops_in_torch(self.device)
-        return node.target in SLOW_ON_GPU and not _parallel_scatter(node)
+        return self.device.type == "cuda" and node.target in SLOW_ON_GPU and not _parallel_scatter(node)
 
     def _transposes_for_library(self, node: torch.fx.Node) -> bool:
         """A transpose that only library ops read. In torch it is a view, which cuBLAS reads with a

@@ -311,9 +311,12 @@ _LIBRARY_TABLE: dict[OpOverload, Callable] = {
 
 def library_ops_in_torch(device: torch.device) -> bool:
     """Whether matmuls, convolutions and softmaxes of a step on `device` run in torch's libraries
-    between the clusters (cluster.partition.LIBRARY_OPS): on a GPU, unless PYDISC_GPU_MATMUL=iree. The
-    one test of that policy: the partition, this table and the matmul padding all follow it."""
-    return device.type == "cuda" and CONFIG.gpu_matmul != "iree"
+    between the clusters (cluster.partition.LIBRARY_OPS): on a GPU, unless PYDISC_GPU_MATMUL=iree; on the
+    CPU with PYDISC_CPU_MATMUL=torch. The one test of that policy: the partition, this table and the
+    attention rewrite all follow it."""
+    if device.type == "cuda":
+        return CONFIG.gpu_matmul != "iree"
+    return device.type == "cpu" and CONFIG.cpu_matmul == "torch"
 
 
 def decompositions_for(device: torch.device) -> dict[OpOverload, Callable]:

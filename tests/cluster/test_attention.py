@@ -177,7 +177,10 @@ def test_policy(monkeypatch):
     from pydisc.config import CONFIG
 
     monkeypatch.setattr(CONFIG, "gpu_matmul", "torch")
+    monkeypatch.setattr(CONFIG, "cpu_matmul", "iree")
     assert A.fuses_attention(torch.device("cuda")) and not A.fuses_attention(CPU)
+    monkeypatch.setattr(CONFIG, "cpu_matmul", "torch")     # PYDISC_CPU_MATMUL=torch: the GPU's policy
+    assert A.fuses_attention(CPU)
     monkeypatch.setattr(CONFIG, "fuse_attention", False)
     assert not A.fuses_attention(torch.device("cuda"))
     monkeypatch.setattr(CONFIG, "fuse_attention", True)

@@ -13,6 +13,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from pydisc.cluster import partition as partition_module
 from pydisc.cluster import partition_graph
+from pydisc.config import CONFIG
 
 aten = torch.ops.aten
 CPU = torch.device("cpu")
@@ -214,7 +215,9 @@ def test_on_a_gpu_a_transpose_read_only_by_matmuls_stays_a_view(monkeypatch):
 
     inputs = (torch.randn(6, 4), torch.randn(4, 3), torch.randn(6, 5))
     transposes = {aten.t.default, aten.permute.default}
-    for device, outside in ((torch.device("cuda"), 1), (CPU, 0)):
+    # on the CPU matmuls stay in the clusters unless PYDISC_CPU_MATMUL=torch
+    for device, cpu_matmul, outside in ((torch.device("cuda"), "iree", 1), (CPU, "iree", 0), (CPU, "torch", 1)):
+        monkeypatch.setattr(CONFIG, "cpu_matmul", cpu_matmul)
         part = partition_graph(_graph(fn, *inputs), device, lambda node: None, max_ops=None)
         top = [n for n in part.graph_module.graph.nodes if n.target in transposes]
         assert len(top) == outside and all(n.meta.get("pydisc_library") for n in top), (device, top)
@@ -256,7 +259,9 @@ def test_views_of_a_cluster_input_read_outside_it_are_taken_by_torch(monkeypatch
         return q @ k.t(), (q * 2).exp(), k.sum(), new_w, w.view(24)[:5] * 2
 
     inputs = (torch.randn(24), torch.randn(5, 4), torch.randn(4, 6))
-    for device, duplicated in ((torch.device("cuda"), True), (CPU, False)):
+    for device, cpu_matmul, duplicated in ((torch.device("cuda"), "iree", True), (CPU, "iree", False),
+                                           (CPU, "torch", True)):
+        monkeypatch.setattr(CONFIG, "cpu_matmul", cpu_matmul)
         gm = _graph(fn, *inputs)
         part = partition_graph(gm, device, lambda node: None, max_ops=None)
         views = [n for n in part.graph_module.graph.nodes if n.meta.get("pydisc_view")]
