@@ -42,8 +42,8 @@ def metrics_report(top: int = 10) -> str:
             lines.append("    %-40s %6d" % (op, count))
     if m.library_ops:
         lines.append("  in torch by choice   %d (%s): matmuls, convolutions and fused attention "
-                     "(PYDISC_GPU_MATMUL=iree compiles them too), softmax, scatters, max pooling and "
-                     "concatenations, slow in IREE's GPU code" % (
+                     "(PYDISC_GPU_MATMUL=iree, on the CPU PYDISC_CPU_MATMUL=iree, compiles them too), softmax, "
+                     "scatters, max pooling and concatenations, slow in IREE's code" % (
             sum(m.library_ops.values()), ", ".join("%s x%d" % kv for kv in m.library_ops.most_common(4))))
     if m.background_compiles:
         lines.append("  built in background  %d plans, %.1f s; %d steps ran eagerly meanwhile" % (
