@@ -417,11 +417,9 @@ def test_step_choice_windows_take_turns_and_the_fastest_counts(step_choice_cpu, 
     assert "-> eager" in run([{"compiled": 0.020, "eager": 0.010}] * 10, then_plan=True)
 
 
-def test_kept_compiled_steps_are_measured_again_when_their_time_drifts(step_choice_cpu, monkeypatch):
-    # The time between the mark_steps of compiled steps kept is watched: a median over WATCH steps DRIFT
-    # times faster or slower than the compiled windows were (the load that slowed the eager windows has
-    # gone) times the windows again, which can then keep eager; at most RECHECKS times per process. Steps
-    # of plans the windows did not run (sampling after training) are not the machine changing.
+def _faked_steps(monkeypatch, device: torch.device):
+    """The step choice on fake clocks, nothing released: (the clock, `steps(n, compiled, eager, plan)`,
+    which runs n steps, each `compiled` or `eager` seconds by the mode it runs in, and returns the modes)."""
     from pydisc import step_choice
     from pydisc.frontend.lazy_tensor import RECORDER
 
@@ -430,7 +428,6 @@ def test_kept_compiled_steps_are_measured_again_when_their_time_drifts(step_choi
     monkeypatch.setattr(step_choice, "_host_clock", lambda: clock[0])
     monkeypatch.setattr(step_choice, "release_all", lambda into=None, kept_into=None: (0, 0))
     monkeypatch.setattr(step_choice, "restore", lambda objects: 0)
-    cpu = torch.device("cpu")
     step_choice.reset()
     pydisc.reset_metrics()
 
@@ -439,9 +436,20 @@ def test_kept_compiled_steps_are_measured_again_when_their_time_drifts(step_choi
         for _ in range(n):
             modes.append("eager" if RECORDER.passthrough else "compiled")
             clock[0] += eager if RECORDER.passthrough else compiled
-            step_choice.after_mark_step(None if RECORDER.passthrough else plan, True, cpu)
+            step_choice.after_mark_step(None if RECORDER.passthrough else plan, True, device)
         return modes
+    return clock, steps
 
+
+def test_kept_compiled_steps_are_measured_again_when_their_time_drifts(step_choice_cpu, monkeypatch):
+    # The time between the mark_steps of compiled steps kept is watched: a median over WATCH steps DRIFT
+    # times faster or slower than the compiled windows were (the load that slowed the eager windows has
+    # gone) times the windows again, which can then keep eager; at most RECHECKS times per process. Steps
+    # of plans the windows did not run (sampling after training) are not the machine changing.
+    from pydisc import step_choice
+    from pydisc.frontend.lazy_tensor import RECORDER
+
+    clock, steps = _faked_steps(monkeypatch, torch.device("cpu"))
     steps(3 + 20, compiled=0.030, eager=0.060)   # under load: eager's windows slower
     assert pydisc.metrics()["step_choice"] == "compiled 30.00 ms, eager 60.00 ms per step -> compiled"
     # the steps right after the decision are not noted (here they take 200 ms: captures again); then
@@ -471,26 +479,10 @@ def test_on_a_gpu_compiled_steps_kept_are_not_watched(step_choice_cpu, monkeypat
     # 1.87 in the synchronised windows), and it moves with syncs and captures on a machine that does not
     # change. Compiled steps kept there are not measured again, whatever the time between mark_steps.
     from pydisc import step_choice
-    from pydisc.frontend.lazy_tensor import RECORDER
 
-    clock = [0.0]
-    monkeypatch.setattr(step_choice, "_now", lambda device: clock[0])
-    monkeypatch.setattr(step_choice, "_host_clock", lambda: clock[0])
-    monkeypatch.setattr(step_choice, "release_all", lambda into=None, kept_into=None: (0, 0))
-    monkeypatch.setattr(step_choice, "restore", lambda objects: 0)
     monkeypatch.setattr(CONFIG, "step_choice", "all")
-    gpu = torch.device("cuda", 0)      # only named: the clocks are faked and nothing is captured
-    step_choice.reset()
-    pydisc.reset_metrics()
-
-    def steps(n: int, compiled: float, eager: float) -> list:
-        modes = []
-        for _ in range(n):
-            modes.append("eager" if RECORDER.passthrough else "compiled")
-            clock[0] += eager if RECORDER.passthrough else compiled
-            step_choice.after_mark_step(None if RECORDER.passthrough else ("plan",), True, gpu)
-        return modes
-
+    # (a CUDA device only named: the clocks are faked and nothing is captured)
+    _, steps = _faked_steps(monkeypatch, torch.device("cuda", 0))
     steps(3 + 20, compiled=0.0019, eager=0.0020)
     assert pydisc.metrics()["step_choice"] == "compiled 1.90 ms, eager 2.00 ms per step -> compiled"
     # queued steps, a third of the windows' time, then four times that: kept, not measured again
