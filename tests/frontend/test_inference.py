@@ -1,5 +1,5 @@
-"""Steps without grad record `F.linear` and `matmul` whole (frontend/inference.py); with grad, under
-autocast, or outside a lazy module's forward they take torch's usual path. Values against eager."""
+"""Steps without grad record `F.linear` and `matmul` whole (frontend/inference.py); with grad or under
+autocast they take torch's usual path. Values against eager."""
 import pytest
 import torch
 import torch.nn as nn
@@ -27,7 +27,7 @@ class Net(nn.Module):
         scores = h @ h.transpose(1, 2)                   # [b, t, t]
         h = torch.matmul(scores.softmax(-1), h)          # [b, t, 32]
         h = F.linear(h, self.out.weight)                 # [b, t, 8]
-        left = plain @ h                                 # plain [t, b?]: [b, t, 8] broadcast on the left
+        left = plain @ h                                 # a plain [t, t] on the left: [b, t, 8]
         return h.matmul(self.v) + left.sum(-1)           # [b, t]
 
 
