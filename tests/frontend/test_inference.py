@@ -12,6 +12,16 @@ from pydisc.frontend.lazy_tensor import current_trace
 aten = torch.ops.aten
 
 
+@pytest.fixture(autouse=True)
+def removed_after():
+    # what a test installs (a forward without grad) is removed again, as a forward with grad does: later
+    # tests record under no_grad without it
+    yield
+    with torch.enable_grad():
+        inference.use_for_forward()
+    assert not inference.installed()
+
+
 class Net(nn.Module):
     """Linear layers on a 3-D input, a batched matmul (attention scores), a matmul with a plain tensor
     on the left, a matrix-vector product and F.linear without a bias."""
