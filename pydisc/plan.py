@@ -23,6 +23,7 @@ from .frontend.lazy_tensor import StrictModeError
 from .frontend.replay import Program, functional_graph
 from .metrics import METRICS
 from .shape_log import record_cluster
+from .step_check import mismatch
 
 __all__ = ["StepPlan", "CompiledCluster", "CompiledRegion", "build_plan", "plan_graph"]
 
@@ -37,6 +38,7 @@ class StepPlan:
     regions: int = 0                                      # compiled torch-mlir regions
     library_ops: Counter = field(default_factory=Counter)  # ATen op -> runs in torch's libraries by choice
     graph: Any = None                                     # its CUDA graph, once run (exec/graphs.StepGraph)
+    runs: int = 0                                         # counted for PYDISC_CHECK (pydisc/step_check.py)
 
 
 class CompiledCluster(torch.nn.Module):
@@ -186,16 +188,10 @@ class CompiledCluster(torch.nn.Module):
         expected = self.fallback(*inputs)
         expected = [expected] if self.single else list(expected)
         for i, (got, want) in enumerate(zip(results, expected)):
-            try:
-                if not isinstance(want, torch.Tensor):  # a size computed on the host
-                    if got != want:
-                        raise AssertionError("size %s, expected %s" % (got, want))
-                    continue
-                torch.testing.assert_close(got, want, equal_nan=True, check_dtype=True,
-                                           **_tolerance(want.dtype))
-            except AssertionError as exc:
+            why = mismatch(got, want)       # (a size computed on the host compares as an int)
+            if why is not None:
                 message = "cluster %s output %d (from %s) diverges from eager: %s" % (
-                    self.name, i, self.output_ops[i], str(exc).splitlines()[0:3])
+                    self.name, i, self.output_ops[i], why)
                 METRICS.numerics_mismatches.append(message)
                 warn_once("check:" + self.name + str(i), "pydisc numerics check: " + message)
                 return
@@ -262,10 +258,9 @@ def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _first_mismatch(results: list, expected: list) -> str | None:
     for i, (got, want) in enumerate(zip(results, expected)):
-        try:
-            torch.testing.assert_close(got, want, equal_nan=True, check_dtype=True, **_tolerance(want.dtype))
-        except AssertionError as exc:
-            return "output %d: %s" % (i, " ".join(str(exc).splitlines()[:3]))
+        why = mismatch(got, want)
+        if why is not None:
+            return "output %d: %s" % (i, why)
     return None
 
 
@@ -317,14 +312,6 @@ def _size_function(emitted, device: torch.device) -> Callable:
 
 # IREE's CUDA driver refuses a kernel with more than 16 buffer bindings when loading the module.
 _TOO_BIG = "exceeds maximum"
-
-
-def _tolerance(dtype: torch.dtype) -> dict:
-    if dtype in (torch.float16, torch.bfloat16):
-        return {"rtol": 2e-2, "atol": 2e-2}
-    if dtype.is_floating_point:
-        return {"rtol": 1e-4, "atol": 1e-5}
-    return {"rtol": 0, "atol": 0}
 
 
 def _dump(name: str, text: str, failure: bool = False) -> str | None:

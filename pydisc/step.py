@@ -25,6 +25,7 @@ from .frontend.replay import NotDynamic, Program, concrete_program, program_from
 from .frontend.trace import LazyStorage, Trace
 from .metrics import METRICS
 from .plan import StepPlan, build_plan
+from .step_check import StepCheck
 
 __all__ = ["run_pending", "prune_pending", "clear_plans"]
 
@@ -264,6 +265,11 @@ def _run(trace: Trace, target: LazyTensor | None) -> tuple:
         else:
             call_inputs, perm = inputs, None
             graphed = graphs.enabled(device)    # a plan for these shapes: replayed from a CUDA graph
+    check = None
+    if CONFIG.check_every and not isinstance(plan.runner, Program):
+        plan.runs += 1
+        if plan.runs % CONFIG.check_every == 0:
+            check = StepCheck(trace, inputs, device)
     try:
         if graphed:
             results = graphs.run_plan(plan, call_inputs, outputs, device)
@@ -287,6 +293,9 @@ def _run(trace: Trace, target: LazyTensor | None) -> tuple:
         if key is not None:
             _PLANS[key] = plan
         results = program(*inputs)
+        check = None
+    if check is not None:
+        check.compare(program_from_trace(trace, executed, outputs), trace, outputs, results)
     METRICS.steps += 1
     for op, count in plan.eager_ops.items():
         METRICS.note_fallback(op, count, plan.eager_dtypes.get(op, ()), plan.eager_sources.get(op))

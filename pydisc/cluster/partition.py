@@ -61,8 +61,21 @@ _TRANSPOSES = {aten.permute.default, aten.transpose.int, aten.t.default}
 # attention softmax 0.86 ms against 0.42 ms. frontend.decompositions keeps them whole on a GPU.
 SOFTMAXES = {aten._softmax.default, aten._log_softmax.default, aten._softmax_backward_data.default,
              aten._log_softmax_backward_data.default}
+# F.scaled_dot_product_attention's CPU kernel: decomposed into matmuls and a softmax where those are
+# compiled (frontend/sdpa.py), torch's fused kernel where they run in torch.
+CPU_ATTENTION = {aten._scaled_dot_product_flash_attention_for_cpu.default,
+                 aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
 LIBRARY_OPS = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default,
-               aten.convolution.default, aten.convolution_backward.default} | SOFTMAXES | ATTENTION_OPS
+               aten.convolution.default, aten.convolution_backward.default} | SOFTMAXES | ATTENTION_OPS | \
+    CPU_ATTENTION
+# Its CUDA kernels (flash, memory-efficient, cuDNN attention and their backwards): no decomposition,
+# torch runs them between the clusters on a GPU whatever PYDISC_GPU_MATMUL says.
+CUDA_ATTENTION = {getattr(aten, name).default for name in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+    "_flash_attention_forward", "_flash_attention_backward", "_efficient_attention_forward",
+    "_efficient_attention_backward") if hasattr(aten, name)}
 
 
 # Ops that IREE 3.13 lowers to a scatter whose coordinates may repeat: its GPU code runs such a scatter
@@ -132,7 +145,8 @@ class _Support(OperatorSupportBase):
             return False
         if node.target in LIBRARY_OPS:
             return library_ops_in_torch(self.device)
-        return self.device.type == "cuda" and node.target in SLOW_ON_GPU and not _parallel_scatter(node)
+        return self.device.type == "cuda" and (node.target in CUDA_ATTENTION or node.target in SLOW_ON_GPU
+                                               and not _parallel_scatter(node))
 
     def _transposes_for_library(self, node: torch.fx.Node) -> bool:
         """A transpose that only library ops read. In torch it is a view, which cuBLAS reads with a

@@ -7,15 +7,22 @@ to lower but which are simpler for us to see as elementwise ops and reductions.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
 from torch._decomp import core_aten_decompositions, get_decompositions
 from torch._ops import OpOverload, OpOverloadPacket
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..config import CONFIG
+from ..diagnostics import log
+from .sdpa import SDPA_DECOMPOSITIONS
 
-__all__ = ["DECOMPOSITIONS", "decompositions_for"]
+__all__ = ["DECOMPOSITIONS", "conforming", "decompositions_for"]
 
 aten = torch.ops.aten
 
@@ -170,6 +177,8 @@ def _masked_scatter(x: torch.Tensor, mask: torch.Tensor, source: torch.Tensor) -
     """The k-th True position of `mask` takes source's k-th element: a gather at the running count of
     True elements, static in shape (unlike masked_select)."""
     shape = torch.broadcast_shapes(x.shape, mask.shape)
+    if source.numel() == 0:     # (eager requires a mask with nothing set then)
+        return x.expand(shape).clone()
     mask = mask.expand(shape)
     picked = aten.index(source.reshape(-1), [_masked_positions(mask)]).reshape(shape)
     return torch.where(mask, picked, x.expand(shape))
@@ -286,14 +295,120 @@ def _foreach_decompositions() -> dict[OpOverload, Callable]:
     return table
 
 
+# ---- every decomposition returns what its op returns -------------------------------------------------
+# A decomposed op whose outputs differ from the real op's in any slot is wrong wherever a later op reads
+# that slot: a backward kernel that runs eagerly reads the forward's saved results, views after it
+# depend on its strides (`transpose(1, 2).reshape(...)` after attention), `as_strided` reads the memory
+# those strides describe. So each decomposition's results are checked, while a step is traced, against
+# the op's own meta function on the same fake inputs: a result whose strides differ is copied into the
+# op's layout, and a decomposition whose results differ in number, shape, dtype or device (torch's of
+# `_scaled_dot_product_flash_attention_for_cpu` returns the attention probabilities where the kernel
+# returns the logsumexp) is not used: the op stays whole (lowered, run by torch, or eager). The values
+# of every decomposition are compared with the real kernels, over PyTorch's OpInfo samples, in
+# tests/frontend/test_decompositions.py.
+
+def conforming(op: OpOverload, decomposition: Callable) -> Callable:
+    """`decomposition` of `op`, checked against `op`'s meta function when traced on fake tensors."""
+    if op._schema.is_mutable:
+        return decomposition    # in-place and out= forms: functionalization has replaced them
+
+    @functools.wraps(decomposition)
+    def conformed(*args, **kwargs):
+        out = decomposition(*args, **kwargs)
+        if out is NotImplemented:
+            return out
+        if not any(isinstance(a, FakeTensor) for a in tree_flatten((args, kwargs))[0]):
+            return out          # run on real tensors (a test, a replay): nothing to compare with cheaply
+        flat, spec = tree_flatten(out)
+        with disable_proxy_modes_tracing():     # the meta function and the comparisons are not traced
+            expected = tree_flatten(op(*args, **kwargs))[0]
+            why, layouts = _differences(flat, expected)
+        if why is not None:
+            return _kept_whole(op, why)
+        for k, ref in layouts:
+            flat[k] = _restrided(flat[k], ref)
+        return tree_unflatten(flat, spec)
+    return conformed
+
+
+def _same(a, b) -> bool:
+    if type(a) is int and type(b) is int:
+        return a == b
+    return statically_known_true(a == b)
+
+
+def _differences(flat: list, expected: list) -> tuple[str | None, list]:
+    """Why the results `flat` cannot stand for the op's `expected` ones (None if they can), and the
+    (index, expected result) of those to copy into the op's layout."""
+    if len(flat) != len(expected):
+        return "%d results where the op has %d" % (len(flat), len(expected)), []
+    layouts = []
+    for k, (got, ref) in enumerate(zip(flat, expected)):
+        if not isinstance(ref, torch.Tensor) or not isinstance(got, torch.Tensor):
+            if isinstance(ref, torch.Tensor) or isinstance(got, torch.Tensor):
+                return "result %d is %s where the op's is %s" % (k, type(got).__name__, type(ref).__name__), []
+            continue
+        if got.dtype != ref.dtype or got.device != ref.device or got.dim() != ref.dim() or \
+                not all(_same(x, y) for x, y in zip(got.shape, ref.shape)):
+            return "result %d is %s%s where the op's is %s%s" % (
+                k, got.dtype, list(got.shape), ref.dtype, list(ref.shape)), []
+        if not _same_strides(got.stride(), ref):
+            if not _dense(ref):
+                return "result %d has strides %s where the op's are %s" % (k, got.stride(), ref.stride()), []
+            layouts.append((k, ref))
+    return None, layouts
+
+
+def _same_strides(stride, ref: torch.Tensor) -> bool:
+    if _same(ref.numel(), 0) or _same(ref.numel(), 1):
+        return True
+    return all(_same(n, 1) or _same(x, y) for n, x, y in zip(ref.shape, stride, ref.stride()))
+
+
+def _hint(x) -> int:
+    return x if type(x) is int else x.node.hint
+
+
+def _order(ref: torch.Tensor) -> list[int]:
+    """`ref`'s dims from the outermost in memory to the innermost."""
+    return sorted(range(ref.dim()), key=lambda d: (-_hint(ref.stride(d)), -_hint(ref.shape[d])))
+
+
+def _dense(ref: torch.Tensor) -> bool:
+    """Whether `ref`'s layout is a permutation of a contiguous one (the only kind a kernel allocates)."""
+    expected = 1
+    for d in reversed(_order(ref)):
+        if not _same(ref.shape[d], 1) and not _same(ref.stride(d), expected):
+            return False
+        expected = expected * ref.shape[d]
+    return True
+
+
+def _restrided(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """`got` copied into `ref`'s (dense) layout."""
+    order = _order(ref)
+    return got.permute(order).contiguous().permute([order.index(d) for d in range(ref.dim())])
+
+
+_KEPT_WHOLE_LOGGED: set = set()
+
+
+def _kept_whole(op: OpOverload, why: str):
+    if op not in _KEPT_WHOLE_LOGGED:
+        _KEPT_WHOLE_LOGGED.add(op)
+        log("plans", "torch's decomposition of %s is not used (%s): the op stays whole", op, why)
+    return NotImplemented
+
+
 def _build() -> dict[OpOverload, Callable]:
     table: dict[OpOverload, Callable] = dict(core_aten_decompositions())
     table.update(get_decompositions(_EXTRA))
     table.update(_foreach_decompositions())
     table.update(_gather_backwards())
+    table.update(SDPA_DECOMPOSITIONS)
     bn_backward = aten.native_batch_norm_backward.default
     table[bn_backward] = _batch_norm_backward(table[bn_backward])
-    return table
+    return {op: conforming(op, fn) for op, fn in table.items()}
 
 
 DECOMPOSITIONS: dict[OpOverload, Callable] = _build()
@@ -304,7 +419,8 @@ DECOMPOSITIONS: dict[OpOverload, Callable] = _build()
 # (57 ms of a 145 ms step on the H200), while cuBLAS runs them in bf16 with the bias added in its
 # epilogue, as eager does; a softmax left whole runs as torch's fused kernel.
 _KEPT_WHOLE = (aten.addmm, aten.baddbmm, aten._softmax, aten._log_softmax, aten._softmax_backward_data,
-               aten._log_softmax_backward_data)
+               aten._log_softmax_backward_data, aten._scaled_dot_product_flash_attention_for_cpu,
+               aten._scaled_dot_product_flash_attention_for_cpu_backward)
 _LIBRARY_TABLE: dict[OpOverload, Callable] = {
     op: fn for op, fn in DECOMPOSITIONS.items() if op._overloadpacket not in _KEPT_WHOLE}
 

@@ -1,0 +1,114 @@
+"""`PYDISC_CHECK=N`: every Nth run of each compiled step plan, the recorded step is also replayed in
+plain PyTorch (its recorded ops on torch's own kernels, on copies of the step's inputs) and every result
+the step binds is compared: values read later, parameters and buffers written in place, gradients,
+optimizer state. A wrong value anywhere in the plan shows up here, whether a compiled cluster, a
+decomposition, an eager op fed by compiled results or the binding made it; the per-cluster check
+(`CompiledCluster.check`) then says which cluster, where the mismatch is inside one.
+
+The replay starts from the random generators' state the plan started from, so that dropout masks are
+the same, and leaves them where the plan left them.
+"""
+from __future__ import annotations
+
+import torch
+
+from .diagnostics import warn_once
+from .frontend.replay import Program
+from .frontend.trace import Trace
+from .metrics import METRICS
+
+__all__ = ["StepCheck", "mismatch", "tolerance"]
+
+
+class _RandomState:
+    """The random generators a step may draw from (the CPU's and, on a GPU, its device's)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda, self.device)
+
+
+class StepCheck:
+    """Made before a plan runs (a compiled plan may write the step's inputs in place): copies of the
+    inputs and the random generators' state; `compare` then replays the step on them."""
+
+    def __init__(self, trace: Trace, inputs: list, device: torch.device) -> None:
+        n_storages = len(trace.storage_inputs)
+        self.inputs = [t.clone() if k < n_storages else t for k, t in enumerate(inputs)]
+        self.random = _RandomState(device)
+
+    def compare(self, program: Program, trace: Trace, outputs: tuple, results: list) -> None:
+        """Compare `results` (one per `outputs` entry) with `program` run eagerly."""
+        METRICS.numerics_checks += 1
+        ended = _RandomState(self.random.device)
+        self.random.restore()
+        try:
+            expected = program(*self.inputs)
+        finally:
+            ended.restore()
+        for (kind, index), got, want in zip(outputs, results, expected):
+            message = mismatch(got, want)
+            if message is None:
+                continue
+            what = _describe(trace, kind, index)
+            text = "the step's %s diverges from eager: %s" % (what, message)
+            METRICS.numerics_mismatches.append(text)
+            warn_once("check-step:" + what, "pydisc numerics check: " + text)
+
+
+def mismatch(got, want) -> str | None:
+    """Why a compiled result is not eager's, or None. Floats are compared normwise: the largest error
+    against the largest magnitude of the result (`tolerance`), since a value that is zero in exact
+    arithmetic (the gradient of a key bias) is rounding noise of its summands in either computation,
+    and an elementwise comparison would call that noise wrong. NaN and infinities must be where eager's
+    are."""
+    if not isinstance(want, torch.Tensor):
+        return None if got == want else "%r, expected %r" % (got, want)
+    if got.dtype != want.dtype or got.numel() != want.numel():
+        return "%s%s, expected %s%s" % (got.dtype, list(got.shape), want.dtype, list(want.shape))
+    got, want = got.detach().reshape(want.shape), want.detach()
+    if not want.dtype.is_floating_point and not want.dtype.is_complex:
+        wrong = int((got != want).sum())
+        return None if not wrong else "%d of %d elements differ" % (wrong, want.numel())
+    g, w = got.double(), want.double()
+    finite = torch.isfinite(w)
+    if not torch.equal(torch.isnan(g), torch.isnan(w)) or not torch.equal(g[torch.isinf(w)], w[torch.isinf(w)]):
+        return "NaN or infinite values where eager has none, or the other way round"
+    if not finite.any():
+        return None
+    scale = float(w[finite].abs().max())
+    error = (g[finite] - w[finite]).abs()
+    rtol, atol = tolerance(want.dtype)
+    if float(error.max()) <= rtol * scale + atol:
+        return None
+    worst = int(error.argmax())
+    return "largest difference %.3g (at flat index %d: %.6g, eager %.6g) against a largest magnitude of %.3g" % (
+        float(error.max()), worst, float(g[finite][worst]), float(w[finite][worst]), scale)
+
+
+def _describe(trace: Trace, kind: str, index: int) -> str:
+    """Which result: the value an op made, or an input written in place, with the op and its line."""
+    if kind == "value":
+        for e in trace.entries:
+            if index in e.out_vids:
+                return "value made by %s%s" % (e.fn, " at " + e.source if e.source else "")
+        return "value v%d" % index
+    storage = trace.input_storages[index]
+    writer = next((e for e in reversed(trace.entries) if any(s is storage for s in e.writes)), None)
+    if writer is None:
+        return "input %d" % index
+    return "input %d written by %s%s (a parameter, buffer, gradient or optimizer state)" % (
+        index, writer.fn, " at " + writer.source if writer.source else "")
+
+
+def tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """(rtol, atol) of a compiled result against eager's, normwise (`mismatch`): one step's rounding."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return 3e-2, 1e-3
+    return 1e-3, 1e-6
