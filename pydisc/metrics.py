@@ -30,6 +30,7 @@ class Metrics:
     graph_cache_hits: int = 0         # steps whose whole plan was reused
     graph_cache_misses: int = 0       # steps that had to be traced, partitioned and emitted
     materializations: int = 0         # values read before mark_step (.item(), print, ...)
+    reads_run_eagerly: int = 0        # of those, reads whose few ops torch ran, with no plan of their own
     recorded_ops: int = 0             # ATen ops recorded by the lazy dispatcher
     compile_seconds: float = 0.0
     plan_seconds: float = 0.0         # functionalize + partition + emit on graph cache misses

@@ -18,7 +18,9 @@ def metrics_report(top: int = 10) -> str:
         "  IREE compiles        %d (%.2f s), cache hits %d (%d from disk)" % (
             m.compiles, m.compile_seconds, m.cache_hits, getattr(m, "disk_cache_hits", 0)),
         "  cluster executions   %d" % m.executions,
-        "  materializations     %d (values read before mark_step)" % m.materializations,
+        "  materializations     %d (values read before mark_step%s)" % (
+            m.materializations, "; %d needed a few ops, run by torch" % m.reads_run_eagerly
+            if m.reads_run_eagerly else ""),
         "  planning time        %.2f s" % m.plan_seconds,
     ]
     for source, count in m.materialization_sources.most_common(3):

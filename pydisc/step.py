@@ -30,6 +30,9 @@ from .step_check import StepCheck
 __all__ = ["run_pending", "prune_pending", "clear_plans"]
 
 
+# A read mid-step whose value needs at most this many recorded ops runs them in torch (`_run`).
+SMALL_READ_OPS = 16
+
 _PLANS: dict[tuple, StepPlan] = {}
 _SEEN_OPS: dict[tuple, tuple] = {}   # op sequence -> last structural key planned for it (recompile explainer)
 _SIGHTINGS: Counter = Counter()      # structural key -> steps that ran it eagerly before it is compiled
@@ -215,6 +218,14 @@ def _run(trace: Trace, target: LazyTensor | None) -> tuple:
     device = _step_device(trace)
     scalars = _scalars(trace.scalars, device) if trace.scalars else None
     inputs = list(trace.storage_inputs) + list(trace.real_inputs) + ([scalars] if scalars is not None else [])
+    if target is not None and remaining and len(executed) <= SMALL_READ_OPS:
+        # a value read mid-step that needs a few ops (HF's `padding_mask.all()`, a size): torch runs
+        # them, as eager would, rather than a plan of their own; the rest of the step stays pending
+        program = concrete_program(trace, executed, outputs) if trace.symbolic is not None else \
+            program_from_trace(trace, executed, outputs)
+        METRICS.reads_run_eagerly += 1
+        _bind(trace, outputs, program(*inputs), executed, remaining)
+        return None, False, device
     if trace.symbolic is not None:
         plan, call_inputs, perm = _plan_symbolic(trace, executed, outputs, inputs, scalars, device)
         key = None
