@@ -116,7 +116,9 @@ class Template:
     patterns: list                   # (ordinal, rank, dims) covered
     session: object = None           # the SymbolicStep (its ShapeEnv holds the guards)
     storage_types: tuple = ()        # (dtype, device) of each input storage
-    real_types: tuple = ()           # (shape, stride, dtype, device) of each eager input
+    real_types: tuple = ()           # (shape, stride, dtype, device) of each eager input; for a value
+                                     # on sizes alone ((size, stride, offset) expressions, dtype, device)
+    real_sources: tuple = ()         # per eager input: ("real", index in the recorded step) | ("value", vid)
     fakes: list | None = None        # fake inputs to plan with, until the plan is built
     sources: list | None = None
     steps: int = 0
@@ -128,14 +130,16 @@ class Binding:
     """A concrete step structure bound to a template: how to call the template's plan."""
 
     template: Template
-    view_sizes: dict                 # storage index -> concrete size of the viewed input
+    view_sizes: dict                 # template storage index -> concrete size of the viewed input
+    storage_order: list              # template storage index -> concrete storage index
     real_order: list                 # template real index -> concrete real index
     perm: list                       # concrete output k -> template output index
     sizes: dict                      # symbol -> value (for reports)
 
     def inputs(self, trace: Trace, scalars: torch.Tensor | None) -> list:
-        out = [s.view(self.view_sizes[i]) if i in self.view_sizes else s
-               for i, s in enumerate(trace.storage_inputs)]
+        storages = trace.storage_inputs
+        out = [storages[j].view(self.view_sizes[i]) if i in self.view_sizes else storages[j]
+               for i, j in enumerate(self.storage_order)]
         out += [trace.real_inputs[j] for j in self.real_order]
         if scalars is not None:
             out.append(scalars)
@@ -150,14 +154,17 @@ def _as_meta(x):
 
 
 def make_template(trace: Trace, program: Program, plan) -> Template:
+    """The template of a symbolically recorded step: its program without the entries on sizes alone
+    (`_without_size_only`), and what matching later concrete steps against it needs."""
     session = trace.symbolic
-    in_layouts = {vid: (index, layout) for vid, index, layout in program.inputs}
     metas = {}
     for vid in range(len(trace.values)):
         m = trace.sym_metas.get(vid) or trace.metas.get(vid)
         if m is not None:
             size, stride, offset = m[0], m[1], m[2]
             metas[vid] = (tuple(map(_as_meta, size)), tuple(map(_as_meta, stride)), _as_meta(offset))
+    program, real_sources = _without_size_only(program, trace, metas)
+    in_layouts = {vid: (index, layout) for vid, index, layout in program.inputs}
     deferrable = []
     for fn, args, kwargs, out_vids, kind in program.entries:
         if isinstance(fn, torch._ops.OpOverload) and not _refs((args, kwargs), RealRef) and \
@@ -166,10 +173,89 @@ def make_template(trace: Trace, program: Program, plan) -> Template:
             deferrable.append(None if info.written_args else "view" if info.is_view else "pure")
         else:
             deferrable.append(None)
+    real_types = []
+    for kind, index in real_sources:
+        if kind == "real":
+            t = trace.real_inputs[index]
+            real_types.append((tuple(t.shape), t.stride(), t.dtype, t.device))
+        else:       # a value on sizes alone: its layout is checked as an expression of the sizes
+            real_types.append((metas[index], trace.metas[index][3], _device_of_value(trace, index)))
     patterns = [(ordinal, rank, made) for ordinal, (storage, made, rank) in session.conversions.items()]
     return Template(program, plan, session.guards(), in_layouts, metas, deferrable, patterns, session,
-                    tuple((s.dtype, s.device) for s in trace.storage_inputs),
-                    tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in trace.real_inputs))
+                    tuple((s.dtype, s.device) for s in trace.storage_inputs), tuple(real_types),
+                    real_sources=tuple(real_sources))
+
+
+def _device_of_value(trace: Trace, vid: int) -> torch.device:
+    ref = trace.tensors.get(vid)
+    t = ref() if ref is not None else None
+    if t is not None:
+        return t.device
+    return trace.storage_inputs[0].device if trace.storage_inputs else torch.device("cpu")
+
+
+def _without_size_only(program: Program, trace: Trace, metas: dict) -> tuple[Program, list]:
+    """`program` without the entries that compute on sizes and eager tensors alone (`torch.ones(T, T)
+    .tril()`, the causal mask of torch's math attention, `torch.arange(T)`): a concrete step runs those
+    in torch before anything lazy reads them, so its trace holds their results as eager inputs. Each
+    such value that a remaining entry reads becomes an eager input of the template too, and a concrete
+    step passes its own: nothing of it is recomputed or compared, whatever it holds (random numbers
+    too). Returns the program and, per eager input of it, ("real", index in the recorded step) or
+    ("value", the value's id)."""
+    size_only: set[int] = set()
+    kept = []
+    outputs = {i for kind, i in program.outputs if kind == "value"}
+    for entry in program.entries:
+        fn, args, kwargs, out_vids, kind = entry
+        if isinstance(fn, torch._ops.OpOverload) and not _refs((args, kwargs), ScalarRef) and \
+                all(r.vid in size_only for r in _refs((args, kwargs))) and \
+                not any(v in outputs for v in out_vids if v is not None):
+            size_only.update(v for v in out_vids if v is not None)
+        else:
+            kept.append(entry)
+    if not size_only:
+        return program, [("real", i) for i in range(program.n_reals)]
+    real_sources: list = []
+    new_real: dict = {}
+
+    def real(source: tuple) -> RealRef:
+        if source not in new_real:
+            new_real[source] = len(real_sources)
+            real_sources.append(source)
+        return RealRef(new_real[source])
+
+    def convert(a):
+        t = type(a)
+        if t is ValueRef and a.vid in size_only:
+            return real(("value", a.vid))
+        if t is RealRef:
+            return real(("real", a.index))
+        if t is list:
+            return [convert(x) for x in a]
+        if t is tuple:
+            return tuple(convert(x) for x in a)
+        return a
+
+    entries = tuple((fn, tuple(convert(a) for a in args), {k: convert(v) for k, v in kwargs.items()},
+                     out_vids, kind) for fn, args, kwargs, out_vids, kind in kept)
+    sources = []
+    for sym, kind, index, d in program.sym_sources:
+        if kind != "r":
+            sources.append((sym, kind, index, d))
+        elif ("real", index) in new_real:
+            sources.append((sym, kind, new_real[("real", index)], d))
+    known = {src[0] for src in sources}
+    for k, (kind, index) in enumerate(real_sources):
+        if kind == "value":
+            for d, e in enumerate(metas[index][0]):
+                if type(e) is SymExpr and e.expr.is_Symbol and e.expr not in known:
+                    known.add(e.expr)
+                    sources.append((e.expr, "r", k, d))
+    used = {vid for entry in entries for r in _refs((entry[1], entry[2])) for vid in (r.vid,)}
+    inputs = tuple(x for x in program.inputs if x[0] in used)
+    cut = Program(inputs, entries, program.n_storages, len(real_sources), program.n_scalars, program.outputs,
+                  program.viewed, tuple(sources))
+    return cut, real_sources
 
 
 def _refs(x, kind=ValueRef) -> list:
@@ -196,6 +282,26 @@ def _is_full_slice(fn, args, kwargs, template: Template) -> bool:
         return True
     size = template.metas.get(args[0].vid, ((),))[0]
     return type(end) is SymExpr and -len(size) <= dim < len(size) and size[dim] == end
+
+
+def _is_full_slice_backward(fn, args, kwargs, template: Template) -> bool:
+    """The gradient of a whole slice: `slice_backward(g, sizes, dim, 0, end, 1)` with g of `sizes`."""
+    if fn is not torch.ops.aten.slice_backward.default or kwargs or type(args[0]) is not ValueRef:
+        return False
+    _, sizes, dim, start, end, step = args
+    grad_size = template.metas.get(args[0].vid, ((),))[0]
+    if start != 0 or step != 1 or tuple(grad_size) != tuple(sizes) or not -len(sizes) <= dim < len(sizes):
+        return False
+    return end == _INT_MAX or (type(end) is SymExpr and sizes[dim] == end)
+
+
+def _without_defaults(fn, kwargs: dict) -> dict:
+    """`kwargs` less those that pass an optional argument's default None: autograd's C++ passes
+    `attn_mask=None` where the Python dispatcher's call leaves it out."""
+    if not isinstance(fn, torch._ops.OpOverload):
+        return kwargs
+    defaults = {a.name: a.default_value for a in fn._schema.arguments if a.has_default_value()}
+    return {k: v for k, v in kwargs.items() if not (v is None and k in defaults and defaults[k] is None)}
 
 
 # ops that the concrete and the symbolic recordings spell differently (C++ matmul folds its result
@@ -234,16 +340,15 @@ def _match(template: Template, trace: Trace, executed: list[int], outputs: tuple
     prog = template.program
     if prog.n_storages != len(trace.storage_inputs) or prog.n_scalars != len(trace.scalars):
         raise _NoMatch("inputs")
-    for (dtype, device), s in zip(template.storage_types, trace.storage_inputs):
-        if s.dtype != dtype or s.device != device:
-            raise _NoMatch("input dtype or device")
     checks: list = []            # (SymExpr, concrete value)
     trail: list = []             # (dict, key) added while matching the current entry: undone on failure
     vmap: dict[int, int] = {}    # template vid -> concrete vid
     deferred: dict[int, int] = {}  # template vid -> index of the template entry that makes it
-    const: set[int] = set()        # deferred vids computed from sizes alone (eager data in the step)
     rmap: dict[int, int] = {}    # template real index -> concrete real index
-    factory_reals: dict[int, int] = {}  # concrete real index -> template vid of a factory op
+    # template storage index -> concrete one: the two recordings may first read the step's inputs in
+    # another order (a view the concrete recording took of device data at once is an entry of the
+    # symbolic one: HF GPT-2 reads its ids before the embedding weight there, after it here)
+    smap: dict[int, int] = {}
     c_values = trace.values
 
     def assign(d: dict, k, v) -> bool:
@@ -261,7 +366,7 @@ def _match(template: Template, trace: Trace, executed: list[int], outputs: tuple
         if tv in template.in_layouts:
             kind = c_values[cv]
             index, layout = template.in_layouts[tv]
-            if kind[0] != "in" or kind[1] != index:
+            if kind[0] != "in" or not assign(smap, index, kind[1]):
                 raise _NoMatch("input")
             _same_layout(tv, kind[2], layout)
             assign(vmap, tv, cv)
@@ -269,7 +374,7 @@ def _match(template: Template, trace: Trace, executed: list[int], outputs: tuple
         if tv in deferred:
             kind = c_values[cv]
             root = _root_storage(tv)
-            if kind[0] != "in" or root is None or kind[1] != root:
+            if kind[0] != "in" or root is None or not assign(smap, root, kind[1]):
                 raise _NoMatch("deferred view")
             _same_layout(tv, kind[2], None)
             assign(vmap, tv, cv)
@@ -305,20 +410,20 @@ def _match(template: Template, trace: Trace, executed: list[int], outputs: tuple
 
     def _defer(i: int, e) -> None:
         """Template entry i has no counterpart in the concrete recording: a view it took of device
-        data at once, or an op on sizes alone (`torch.ones(T, T).tril()`) that it ran eagerly."""
+        data at once, or an identity only the symbolic recording has."""
         fn, args, kwargs, out_vids, kind = entries[i]
         how = template.deferrable[i]
         srcs = [r.vid for r in _refs((args, kwargs))]
         if srcs and srcs[0] in vmap and (_is_full_slice(fn, args, kwargs, template) or
+                                         _is_full_slice_backward(fn, args, kwargs, template) or
                                          (fn is torch.ops.aten.clone.default and not kwargs)):
             # Identities that only the symbolic recording has: `x[:, :T]` with T = x.size(1) (it
-            # cannot prove the slice is a no-op, C++ skips it when sizes are numbers), and the copy
-            # that `reshape` makes when it cannot prove a symbolic layout contiguous
+            # cannot prove the slice is a no-op, C++ skips it when sizes are numbers) and its
+            # gradient, and the copy that `reshape` makes when it cannot prove a symbolic layout
+            # contiguous
             assign(vmap, out_vids[0], vmap[srcs[0]])
             return
-        if how is not None and all(v in const for v in srcs):
-            const.update(v for v in out_vids if v is not None)
-        elif how != "view" or not srcs or not all(v in template.in_layouts or v in deferred for v in srcs):
+        if how != "view" or not srcs or not all(v in template.in_layouts or v in deferred for v in srcs):
             raise _NoMatch("entry %d (%s) does not match %s" % (i, fn, e.fn if e is not None else "the end"))
         for tv in out_vids:
             if tv is not None:
@@ -329,9 +434,6 @@ def _match(template: Template, trace: Trace, executed: list[int], outputs: tuple
         if tt is ValueRef:
             if type(c) is ValueRef:
                 same_value(t.vid, c.vid)
-            elif type(c) is RealRef and t.vid in const:
-                if not assign(factory_reals, c.index, t.vid):
-                    raise _NoMatch("factory")
             else:
                 raise _NoMatch("tensor")
         elif tt is RealRef:
@@ -364,13 +466,24 @@ def _match(template: Template, trace: Trace, executed: list[int], outputs: tuple
             trail.clear()
             try:
                 e_fn, e_args = _normalized(e.fn, e.args)
+                if e_fn is torch.ops.aten.alias.default and _is_full_slice(fn, args, kwargs, template):
+                    # `x[:, 0:]`: C++ indexing takes an alias where the symbolic step cannot prove the
+                    # slice whole
+                    same_arg(args[0], e_args[0])
+                    if not assign(vmap, out_vids[0], e.out_vids[0]):
+                        raise _NoMatch("outputs")
+                    i += 1
+                    break
+                e_kwargs = e.kwargs
+                if kwargs.keys() != e_kwargs.keys():
+                    kwargs, e_kwargs = _without_defaults(fn, kwargs), _without_defaults(fn, e_kwargs)
                 if (fn is not e_fn and _SAME_OP.get(e_fn) is not fn) or len(args) != len(e_args) or \
-                        kwargs.keys() != e.kwargs.keys():
+                        kwargs.keys() != e_kwargs.keys():
                     raise _NoMatch("op")
                 for a, b in zip(args, e_args):
                     same_arg(a, b)
                 for k in kwargs:
-                    same_arg(kwargs[k], e.kwargs[k])
+                    same_arg(kwargs[k], e_kwargs[k])
                 if len(out_vids) != len(e.out_vids):
                     raise _NoMatch("outputs")
                 for tv, cv in zip(out_vids, e.out_vids):
@@ -394,6 +507,24 @@ def _match(template: Template, trace: Trace, executed: list[int], outputs: tuple
     while i < len(entries):
         _defer(i, None)
         i += 1
+    read_storages = {index for _, index, _ in prog.inputs} | {i for kind, i in prog.outputs if kind == "base"}
+    if len(set(smap.values())) != len(smap):
+        raise _NoMatch("input storages")
+    if len(smap) != prog.n_storages:
+        # storages the program neither reads nor writes (those a read mid-step used up): any will do
+        spare = iter(sorted(set(range(len(trace.storage_inputs))) - set(smap.values())))
+        for t_index in range(prog.n_storages):
+            if t_index not in smap:
+                if t_index in read_storages:
+                    raise _NoMatch("input storage %d" % t_index)
+                smap[t_index] = next(spare)
+    for t_index, c_index in smap.items():
+        if t_index not in read_storages:
+            continue
+        dtype, device = template.storage_types[t_index]
+        s = trace.storage_inputs[c_index]
+        if s.dtype != dtype or s.device != device:
+            raise _NoMatch("input dtype or device")
     # size symbols of this step, read off the whole input tensors
     def full_shape(index: int) -> tuple:
         storage = trace.input_storages[index]
@@ -404,7 +535,7 @@ def _match(template: Template, trace: Trace, executed: list[int], outputs: tuple
             raise _NoMatch("source")
         return tuple(layout[0])
 
-    view_sizes = {index: full_shape(index) for index in prog.viewed}
+    view_sizes = {index: full_shape(smap[index]) for index in prog.viewed}
     for tv, (index, layout) in template.in_layouts.items():
         if layout is None:
             size = template.metas[tv][0]
@@ -418,7 +549,7 @@ def _match(template: Template, trace: Trace, executed: list[int], outputs: tuple
     sizes: dict = {}
     for sym, kind, index, d in prog.sym_sources:
         if kind == "s":
-            value = view_sizes[index][d] if index in view_sizes else full_shape(index)[d]
+            value = view_sizes[index][d] if index in view_sizes else full_shape(smap[index])[d]
         else:
             if index not in rmap:
                 raise _NoMatch("source")
@@ -426,57 +557,49 @@ def _match(template: Template, trace: Trace, executed: list[int], outputs: tuple
         if value < 2:
             raise _NoMatch("size 0 or 1 is specialised")
         sizes[sym] = int(value)
+    if template.session is not None:
+        # symbols of step inputs that the program no longer reads (a read mid-step used them up) still
+        # appear in guards: read them off this step's inputs, by ordinal
+        shapes = RECORDER.input_shapes
+        for sym, (kind, index, d) in template.session.sources.items():
+            if sym not in sizes and kind == "conv" and index < len(shapes) and d < len(shapes[index]):
+                sizes[sym] = int(shapes[index][d])
     for expr, value in checks:
         got = expr.value(sizes)
         if got != value:
             raise _NoMatch("size argument")
     if not _guards_hold(template, sizes):
         raise _NoMatch("guard")
-    # ops on sizes alone whose results this step recorded as eager data: the template computes them
-    # itself, so check once (per step structure) that they are the same data
-    memo: dict = {}
-
-    def compute(tv: int):
-        if tv not in memo:
-            fn, args, kwargs, out_vids, kind = entries[deferred[tv]]
-
-            def conc(a):
-                if type(a) is ValueRef:
-                    return compute(a.vid)
-                if type(a) is SymExpr:
-                    return a.value(sizes)
-                if isinstance(a, (list, tuple)):
-                    return type(a)(conc(x) for x in a)
-                return a
-
-            out = fn(*[conc(a) for a in args], **{k: conc(v) for k, v in kwargs.items()})
-            for k, v in enumerate(out_vids):
-                if v is not None:
-                    memo[v] = out if kind is None else out[k]
-        return memo[tv]
-
-    for c_index, tv in factory_reals.items():
-        value = compute(tv)
-        got = trace.real_inputs[c_index]
-        if not isinstance(value, torch.Tensor) or value.shape != got.shape or value.dtype != got.dtype \
-                or not torch.equal(value.to(got.device), got):
-            raise _NoMatch("factory data")
     used_reals = sorted(rmap)
     if used_reals != list(range(prog.n_reals)):
         raise _NoMatch("eager inputs")
     for t_index, c_index in rmap.items():
         t = trace.real_inputs[c_index]
-        if (tuple(t.shape), t.stride(), t.dtype, t.device) != template.real_types[t_index]:
+        expected = template.real_types[t_index]
+        if len(expected) == 3:      # a value on sizes alone: its layout is an expression of them
+            (size, stride, offset), dtype, device = expected
+            if t.dtype != dtype or t.device != device or t.dim() != len(size):
+                raise _NoMatch("eager input %d changed" % c_index)
+            for e, got in zip(size + stride + (offset,), tuple(t.shape) + t.stride() + (t.storage_offset(),)):
+                try:
+                    want = e.value(sizes) if type(e) is SymExpr else e
+                except KeyError:
+                    raise _NoMatch("eager input %d: a size this step does not give" % c_index) from None
+                if want != got:
+                    raise _NoMatch("eager input %d has another layout" % c_index)
+        elif (tuple(t.shape), t.stride(), t.dtype, t.device) != expected:
             raise _NoMatch("eager input %d changed" % c_index)
     inverse = {cv: tv for tv, cv in vmap.items()}
+    storage_inverse = {c: t for t, c in smap.items()}
     t_out = {o: k for k, o in enumerate(prog.outputs)}
     perm = []
     for kind, index in outputs:
-        key = (kind, index) if kind == "base" else ("value", inverse.get(index, -1))
+        key = ("base", storage_inverse.get(index, -1)) if kind == "base" else ("value", inverse.get(index, -1))
         if key not in t_out:
             raise _NoMatch("outputs")
         perm.append(t_out[key])
-    return Binding(template, view_sizes, [rmap[t] for t in range(prog.n_reals)], perm, sizes)
+    return Binding(template, view_sizes, [smap[t] for t in range(prog.n_storages)],
+                   [rmap[t] for t in range(prog.n_reals)], perm, sizes)
 
 
 def _guards_hold(template: Template, sizes: dict) -> bool:

@@ -510,7 +510,6 @@ def _plan_symbolic(trace: Trace, executed: list[int], outputs: tuple, inputs: li
         program = concrete_program(trace, executed, outputs)
         METRICS.plans_compiled += 1
         return build_plan(program, inputs, device, sources), inputs, None
-    fakes = _fake_inputs(trace, program, scalars)
     session.note_guards(None)
     pinned = session.specialised()
     if pinned:
@@ -529,7 +528,7 @@ def _plan_symbolic(trace: Trace, executed: list[int], outputs: tuple, inputs: li
         warn_once("pinned:" + reason[:120], "pydisc: " + reason)
         METRICS.recompiles.append(reason)
     template = dynamic.make_template(trace, program, None)
-    template.fakes, template.sources = fakes, sources
+    template.fakes, template.sources = _fake_inputs(trace, template, scalars), sources
     dynamic.DYNAMIC.templates.append(template)
     dynamic.DYNAMIC.covered.update(patterns)
     METRICS.dynamic_templates += 1
@@ -592,8 +591,10 @@ def _build_template(binding, device: torch.device) -> bool:
     return dynamic.guards_hold(template, binding.sizes)
 
 
-def _fake_inputs(trace: Trace, program: Program, scalars) -> list:
+def _fake_inputs(trace: Trace, template, scalars) -> list:
+    """Fake inputs (the recorded step's symbolic sizes) of a template's program, to plan it with."""
     session = trace.symbolic
+    program = template.program
     fakes = []
     for k, s in enumerate(trace.storage_inputs):
         if k in program.viewed:
@@ -603,7 +604,12 @@ def _fake_inputs(trace: Trace, program: Program, scalars) -> list:
         else:
             fakes.append(session.fake_static(tuple(s.shape), s.stride(), 0, s.dtype, s.device,
                                              s.untyped_storage().nbytes()))
-    for t in trace.real_inputs:
+    for (kind, index), types in zip(template.real_sources, template.real_types):
+        if kind == "value":     # a value on sizes alone, computed in torch by the steps that match
+            size, stride, _, dtype = trace.sym_metas.get(index) or trace.metas[index]
+            fakes.append(session.fake_symbolic(size, stride, dtype, types[2]))
+            continue
+        t = trace.real_inputs[index]
         fake = session.real_fakes.get(id(t))
         if fake is None:
             fake = session.fake_static(tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device,

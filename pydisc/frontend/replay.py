@@ -8,10 +8,12 @@ partitioner and the emitter work on.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from torch._dispatch.python import enable_python_dispatcher
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
 from .symbolic import SymArg, SymExpr
@@ -226,7 +228,7 @@ def symbolic_program(trace: Trace, entry_indices: list[int], outputs: tuple) -> 
         for sym, (kind, index, d) in session.sources.items():
             if kind == "conv":
                 storage = session.conversions[index][0]
-                if storage.epoch == trace.epoch and storage.input_index >= 0:
+                if storage.epoch == trace.epoch and storage.input_index in viewed:
                     sources.setdefault(sym, ("s", storage.input_index, d))
             elif index < len(trace.real_inputs):
                 sources.setdefault(sym, ("r", index, d))
@@ -278,9 +280,14 @@ def functional_graph(program: Program, example_inputs: list[torch.Tensor],
         return program(*inputs, on_entry=on_entry)
 
     # remove="mutations": views stay views (eager ops in the graph then copy nothing), matching the
-    # probe's finding that reapplied views are exact.
-    gm = make_fx(torch.func.functionalize(traced, remove="mutations"),
-                 decomposition_table=decompositions, tracing_mode="fake")(*example_inputs)
+    # probe's finding that reapplied views are exact. Inputs with symbolic sizes are traced with
+    # torch's Python dispatcher on, as make_fx's own symbolic mode does: C++ meta kernels (that of
+    # constant_pad_nd) would otherwise pin a symbolic size to its value in the recorded step.
+    symbolic = any(isinstance(t, torch.Tensor) and any(not isinstance(s, int) for s in t.shape)
+                   for t in example_inputs)
+    with enable_python_dispatcher() if symbolic else contextlib.nullcontext():
+        gm = make_fx(torch.func.functionalize(traced, remove="mutations"),
+                     decomposition_table=decompositions, tracing_mode="fake")(*example_inputs)
     if starts:
         bounds = iter(starts[1:] + [(1 << 62, -1)])
         next_start, next_index = next(bounds)

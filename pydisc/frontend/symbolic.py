@@ -158,6 +158,34 @@ def _has_symbols(x) -> bool:
     return False
 
 
+# Ops whose Python decomposition (run while the Python dispatcher is on) is spelled otherwise than the
+# C++ kernel that concrete steps go through, where the C++ one keeps sizes symbolic too: the symbolic
+# step hides the Python one, so that both recordings are spelled alike and later concrete steps match
+# the template. dropout on the CPU: C++ records `empty_like, bernoulli_, div_, mul`, Python
+# `native_dropout`.
+_CPP_SPELLED = (torch.ops.aten.dropout.default,)
+
+
+def _hide_python_kernels() -> list:
+    from torch._C import DispatchKey
+
+    hidden = []
+    for op in _CPP_SPELLED:
+        kernel = op.py_kernels.pop(DispatchKey.CompositeImplicitAutograd, None)
+        if kernel is not None:
+            hidden.append((op, kernel))
+            op._dispatch_cache.clear()
+    return hidden
+
+
+def _restore_python_kernels(hidden: list) -> None:
+    from torch._C import DispatchKey
+
+    for op, kernel in hidden:
+        op.py_kernels[DispatchKey.CompositeImplicitAutograd] = kernel
+        op._dispatch_cache.clear()
+
+
 class SymbolicStep:
     """The ShapeEnv, fake mode and symbol sources of one step recorded symbolically."""
 
@@ -177,6 +205,7 @@ class SymbolicStep:
         self.real_fakes: dict[int, torch.Tensor] = {}     # id(eager tensor) -> its fake
         self._mode = _FactoryMode(record_factory)
         self._contexts: list = []
+        self._hidden: list = []           # Python kernels hidden while the step records (_CPP_SPELLED)
         self.guards_seen = 0
         self.guard_sources: list = []      # (guard expr, user source line where it appeared)
 
@@ -189,8 +218,11 @@ class SymbolicStep:
         self._contexts.append(ctx)
         self._mode.__enter__()
         self._contexts.append(self._mode)
+        self._hidden = _hide_python_kernels()
 
     def exit(self) -> None:
+        _restore_python_kernels(self._hidden)
+        self._hidden = []
         while self._contexts:
             self._contexts.pop().__exit__(None, None, None)
 

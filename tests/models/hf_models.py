@@ -28,12 +28,19 @@ def bert(attn: str = "sdpa"):
     return BertForMaskedLM(cfg)
 
 
-def gpt2(attn: str = "sdpa"):
+def gpt2(attn: str = "sdpa", dropout: float = 0.0):
     from transformers import GPT2Config, GPT2LMHeadModel
     _quiet()
-    cfg = GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=1, attn_implementation=attn)
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=2, resid_pdrop=dropout,
+                     embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0, eos_token_id=1,
+                     attn_implementation=attn)
     return GPT2LMHeadModel(cfg)
+
+
+def gpt2_dropout(attn: str = "sdpa"):
+    """GPT-2 as fine-tuned: dropout 0.1 everywhere (the steps reseed torch's generator, so both sides
+    draw the same masks)."""
+    return gpt2(attn, dropout=0.1)
 
 
 def llama(attn: str = "sdpa"):
@@ -89,13 +96,14 @@ def lm_batch(g: torch.Generator, batch: int, length: int, model: str) -> dict:
         targets = torch.randint(3, VOCAB, (batch, max(2, length // 2)), generator=g)
         return {"input_ids": ids, "attention_mask": torch.ones(batch, length, dtype=torch.long),
                 "labels": targets}
-    if model == "vit":
+    if model == "vit":  # (images)
         return {"pixel_values": torch.randn(batch, 3, 16, 16, generator=g),
                 "labels": torch.randint(0, 5, (batch,), generator=g)}
     return {"input_ids": ids, "labels": ids}
 
 
-MODELS: dict[str, Callable] = {"bert": bert, "gpt2": gpt2, "llama": llama, "t5": t5, "bart": bart, "vit": vit}
+MODELS: dict[str, Callable] = {"bert": bert, "gpt2": gpt2, "gpt2_dropout": gpt2_dropout, "llama": llama, "t5": t5,
+                               "bart": bart, "vit": vit}
 
 
 def adamw(params):
@@ -114,6 +122,11 @@ class Run:
     metrics: dict = field(default_factory=dict)
     step_seconds: list = field(default_factory=list)     # pydisc: each step, recording to mark_step
     eager_seconds: list = field(default_factory=list)
+    compiled_steps: list = field(default_factory=list)   # per pydisc step: did a compiled cluster run
+
+    @property
+    def compiled_share(self) -> float:
+        return sum(self.compiled_steps) / max(1, len(self.compiled_steps))
 
 
 def train_side_by_side(name: str, steps: int = 5, lengths: list[int] | None = None, attn: str = "sdpa",
@@ -128,10 +141,12 @@ def train_side_by_side(name: str, steps: int = 5, lengths: list[int] | None = No
     pydisc.reset_metrics()
     run = Run(eager_model=eager, lazy_model=lazy)
     g = torch.Generator().manual_seed(0)
-    for length in lengths:
-        inputs = lm_batch(g, batch, length, name)
+    for step, length in enumerate(lengths):
+        inputs = lm_batch(g, batch, length, "gpt2" if name == "gpt2_dropout" else name)
         for model, opt, losses, seconds in ((eager, opt_e, run.eager_losses, run.eager_seconds),
                                             (lazy, opt_l, run.lazy_losses, run.step_seconds)):
+            torch.manual_seed(1000 + step)      # the same dropout masks on both sides
+            executions = pydisc.metrics()["executions"]
             started = time.perf_counter()
             loss = model(**inputs).loss
             loss.backward()
@@ -139,6 +154,7 @@ def train_side_by_side(name: str, steps: int = 5, lengths: list[int] | None = No
             opt.zero_grad()
             if model is lazy:
                 pydisc.mark_step()
+                run.compiled_steps.append(pydisc.metrics()["executions"] > executions)
             losses.append(float(loss.detach()))
             seconds.append(time.perf_counter() - started)
     run.metrics = pydisc.metrics()

@@ -473,10 +473,12 @@ class FunctionBuilder(RuntimeSizes):
             "stablehlo.concatenate", list(xs), xs[0].type.with_shape(shape), {"dimension": f"{dim} : i64"}
         )
 
-    def pad(self, x: Value, value: Value, low: Sequence[int], high: Sequence[int], interior: Sequence[int]) -> Value:
-        shape = tuple(
-            lo + hi + d + (size_max(d - 1, 0) * i if i else 0) for d, lo, hi, i in zip(x.shape, low, high, interior)
-        )
+    def pad(self, x: Value, value: Value, low: Sequence[int], high: Sequence[int], interior: Sequence[int],
+            shape: Sequence | None = None) -> Value:
+        if shape is None:
+            shape = tuple(
+                lo + hi + d + (size_max(d - 1, 0) * i if i else 0) for d, lo, hi, i in zip(x.shape, low, high, interior)
+            )
         return self.op(
             "stablehlo.pad",
             [x, value],

@@ -208,14 +208,28 @@ def _unbind(ctx: LoweringContext, x: Value, dim: int = 0) -> tuple[Value, ...]:
     return tuple(_select(ctx, x, dim, i, spec) for i, spec in enumerate(ctx.out))
 
 
-@lowering(aten.constant_pad_nd.default)
+@lowering(aten.constant_pad_nd.default, dynamic=True)
 def _constant_pad(ctx: LoweringContext, x: Value, pad: Sequence[int], value: float = 0) -> Value:
+    """Padding by fixed amounts (HF's shift of the labels, `F.pad(labels, (0, 1), value=-100)`), also of
+    dynamic dims; amounts that are themselves sizes are not supported (`_constant_pad_check`)."""
     b = ctx.builder
     low, high = [0] * x.rank, [0] * x.rank
     for i in range(len(pad) // 2):
         # pad lists (low, high) pairs starting from the last dim; negative values crop.
         low[x.rank - 1 - i], high[x.rank - 1 - i] = pad[2 * i], pad[2 * i + 1]
-    return b.pad(x, b.constant(value, x.dtype), low, high, [0] * x.rank)
+    return b.pad(x, b.constant(value, x.dtype), low, high, [0] * x.rank, shape=ctx.out_spec.shape)
+
+
+@support_check(aten.constant_pad_nd.default)
+def _constant_pad_check(node: torch.fx.Node) -> str | None:
+    pad = node.args[1]
+    if not all(isinstance(p, int) for p in pad):     # type: ignore[union-attr]
+        return "padding by a size that is not a number"
+    shape = node.args[0].meta["val"].shape           # type: ignore[union-attr]
+    for i, amount in enumerate(pad):                 # type: ignore[arg-type]
+        if amount < 0 and not isinstance(shape[len(shape) - 1 - i // 2], int):
+            return "cropping a dynamic dim (IREE 3.13 cannot legalize a negative pad of one)"
+    return None
 
 
 @lowering(aten.flip.default, dynamic=True)
