@@ -16,6 +16,7 @@ from .frontend.collectives import install_collectives
 from .frontend.lazy_tensor import RECORDER, LazyTensor, StrictModeError, is_lazy
 from .frontend.lazy_tensor import to_lazy as _to_lazy
 from .frontend.rewrites import install_rewrites
+from .frontend.symbolic import release_factory_mode
 from .metrics import METRICS
 from .module import lazy
 from .optimizer_state import install_optimizer_hook
@@ -49,6 +50,7 @@ def mark_step() -> None:
             not step_choice.measuring():
         return      # steps run eagerly now (pydisc/step_choice.py): nothing was recorded
     run_pending(None, "mark_step")
+    release_factory_mode()
 
 
 def wait_for_compiles() -> None:
@@ -68,6 +70,7 @@ def to_lazy(t):
 
     if RECORDER.released:
         return t    # steps run eagerly now (pydisc/step_choice.py): inputs stay plain, as the module's do
+    release_factory_mode()
     if isinstance(t, torch.Tensor):
         return _to_lazy(t, step_input=True)
     if isinstance(t, (list, tuple)):

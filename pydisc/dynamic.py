@@ -52,13 +52,15 @@ def mark_dynamic(t: torch.Tensor, dim: int | list[int] | tuple[int, ...]) -> tor
 
 @dataclass
 class _State:
-    flagged: dict = field(default_factory=dict)      # step input ordinal -> dims
-    covered: set = field(default_factory=set)        # (ordinal, rank, dims >= 2) with a template
+    # An input is a step input by its ordinal (an int), or ("carried", k): the k-th input storage of the
+    # step, a lazy tensor an earlier step made (a KV cache).
+    flagged: dict = field(default_factory=dict)      # input -> dims
+    covered: set = field(default_factory=set)        # (input, rank, dims >= 2) with a template
     templates: list = field(default_factory=list)
     step_mode: dict = field(default_factory=dict)    # step id -> True (symbolic) / False (concrete)
     force_symbolic: bool = False                     # no template matched: record the next step
     misses: int = 0                                  # steps in a row that matched no template
-    blocked: set = field(default_factory=set)        # (ordinal, dim) that guards pinned: static
+    blocked: set = field(default_factory=set)        # (input, dim) that guards pinned: static
 
 
 DYNAMIC = _State()
@@ -72,10 +74,11 @@ def clear() -> None:
     DYNAMIC.blocked.clear()
     DYNAMIC.force_symbolic = False
     DYNAMIC.misses = 0
+    RECORDER.carried_dims = None
 
 
-def _pattern(ordinal: int, real: torch.Tensor, dims) -> tuple:
-    return (ordinal, real.dim(), tuple(sorted(d for d in dims if d < real.dim() and real.shape[d] >= 2)))
+def _pattern(key, real: torch.Tensor, dims) -> tuple:
+    return (key, real.dim(), tuple(sorted(d for d in dims if d < real.dim() and real.shape[d] >= 2)))
 
 
 def dims_of(ordinal: int, real: torch.Tensor) -> tuple:
@@ -85,15 +88,25 @@ def dims_of(ordinal: int, real: torch.Tensor) -> tuple:
     marked = getattr(real, "_pydisc_dynamic", ())
     if marked:      # remembered: a later step's changed sizes in these dims are nothing new
         DYNAMIC.flagged.setdefault(ordinal, set()).update(marked)
-    dims = set(DYNAMIC.flagged.get(ordinal, ()))
-    dims = {d for d in dims if (ordinal, d) not in DYNAMIC.blocked}
-    if not dims:
-        return ()
+    return _dynamic_dims(ordinal, real)
+
+
+def carried_dims(index: int, real: torch.Tensor) -> tuple:
+    """Which dims of the step's index-th input storage, made by an earlier step, are recorded
+    symbolically (the recorder asks, per input storage, while some are flagged)."""
+    return _dynamic_dims(("carried", index), real) if CONFIG.dynamic else ()
+
+
+def _dynamic_dims(key, real: torch.Tensor) -> tuple:
+    dims = {d for d in DYNAMIC.flagged.get(key, ()) if (key, d) not in DYNAMIC.blocked}
+    pattern = _pattern(key, real, dims)
+    if not pattern[2]:
+        return ()       # sizes 0 and 1 are specialised: nothing to make symbolic in this input
     epoch = RECORDER.step_id
     mode = DYNAMIC.step_mode.get(epoch)
     if mode is None:
         # the step's first dynamic input decides: symbolic unless a template covers its sizes
-        mode = DYNAMIC.force_symbolic or _pattern(ordinal, real, dims) not in DYNAMIC.covered
+        mode = DYNAMIC.force_symbolic or pattern not in DYNAMIC.covered
         DYNAMIC.step_mode.clear()
         DYNAMIC.step_mode[epoch] = mode
         DYNAMIC.force_symbolic = False
@@ -131,14 +144,14 @@ class Binding:
 
     template: Template
     view_sizes: dict                 # template storage index -> concrete size of the viewed input
-    storage_order: list              # template storage index -> concrete storage index
+    storage_order: list              # template storage index -> concrete one (None: not read)
     real_order: list                 # template real index -> concrete real index
     perm: list                       # concrete output k -> template output index
     sizes: dict                      # symbol -> value (for reports)
 
     def inputs(self, trace: Trace, scalars: torch.Tensor | None) -> list:
         storages = trace.storage_inputs
-        out = [storages[j].view(self.view_sizes[i]) if i in self.view_sizes else storages[j]
+        out = [None if j is None else storages[j].view(self.view_sizes[i]) if i in self.view_sizes else storages[j]
                for i, j in enumerate(self.storage_order)]
         out += [trace.real_inputs[j] for j in self.real_order]
         if scalars is not None:
@@ -202,7 +215,8 @@ def _without_size_only(program: Program, trace: Trace, metas: dict) -> tuple[Pro
     step passes its own: nothing of it is recomputed or compared, whatever it holds (random numbers
     too). Returns the program and, per eager input of it, ("real", index in the recorded step) or
     ("value", the value's id)."""
-    size_only: set[int] = set()
+    # inputs a read mid-step computed from sizes alone (`Trace.size_only_inputs`) count as such values
+    size_only: set[int] = {vid for vid, index, _ in program.inputs if index in trace.size_only_inputs}
     kept = []
     outputs = {i for kind, i in program.outputs if kind == "value"}
     for entry in program.entries:
@@ -238,11 +252,14 @@ def _without_size_only(program: Program, trace: Trace, metas: dict) -> tuple[Pro
 
     entries = tuple((fn, tuple(convert(a) for a in args), {k: convert(v) for k, v in kwargs.items()},
                      out_vids, kind) for fn, args, kwargs, out_vids, kind in kept)
+    used = {r.vid for entry in entries for r in _refs((entry[1], entry[2]))}
+    inputs = tuple(x for x in program.inputs if x[0] in used)
+    read = {index for _, index, _ in inputs}
     sources = []
     for sym, kind, index, d in program.sym_sources:
-        if kind != "r":
+        if kind == "s" and index in read:
             sources.append((sym, kind, index, d))
-        elif ("real", index) in new_real:
+        elif kind == "r" and ("real", index) in new_real:
             sources.append((sym, kind, new_real[("real", index)], d))
     known = {src[0] for src in sources}
     for k, (kind, index) in enumerate(real_sources):
@@ -251,10 +268,8 @@ def _without_size_only(program: Program, trace: Trace, metas: dict) -> tuple[Pro
                 if type(e) is SymExpr and e.expr.is_Symbol and e.expr not in known:
                     known.add(e.expr)
                     sources.append((e.expr, "r", k, d))
-    used = {vid for entry in entries for r in _refs((entry[1], entry[2])) for vid in (r.vid,)}
-    inputs = tuple(x for x in program.inputs if x[0] in used)
     cut = Program(inputs, entries, program.n_storages, len(real_sources), program.n_scalars, program.outputs,
-                  program.viewed, tuple(sources))
+                  frozenset(i for i in program.viewed if i in read), tuple(sources))
     return cut, real_sources
 
 
@@ -338,7 +353,7 @@ def match_template(template: Template, trace: Trace, executed: list[int], output
 
 def _match(template: Template, trace: Trace, executed: list[int], outputs: tuple) -> Binding:
     prog = template.program
-    if prog.n_storages != len(trace.storage_inputs) or prog.n_scalars != len(trace.scalars):
+    if prog.n_scalars != len(trace.scalars):
         raise _NoMatch("inputs")
     checks: list = []            # (SymExpr, concrete value)
     trail: list = []             # (dict, key) added while matching the current entry: undone on failure
@@ -510,14 +525,16 @@ def _match(template: Template, trace: Trace, executed: list[int], outputs: tuple
     read_storages = {index for _, index, _ in prog.inputs} | {i for kind, i in prog.outputs if kind == "base"}
     if len(set(smap.values())) != len(smap):
         raise _NoMatch("input storages")
+    if any(kind == "base" and index not in set(smap.values()) for kind, index in outputs):
+        raise _NoMatch("a written input storage")
     if len(smap) != prog.n_storages:
-        # storages the program neither reads nor writes (those a read mid-step used up): any will do
-        spare = iter(sorted(set(range(len(trace.storage_inputs))) - set(smap.values())))
+        # storages the program neither reads nor writes (those a read mid-step used up): nothing is
+        # passed for them
         for t_index in range(prog.n_storages):
             if t_index not in smap:
                 if t_index in read_storages:
                     raise _NoMatch("input storage %d" % t_index)
-                smap[t_index] = next(spare)
+                smap[t_index] = None
     for t_index, c_index in smap.items():
         if t_index not in read_storages:
             continue
@@ -616,37 +633,73 @@ guards_hold = _guards_hold
 MAX_TEMPLATES = 6
 
 
-def changed_dims(old_shapes: list, new_shapes: list, trace: Trace) -> dict:
-    """{input ordinal: {dim: (old size, new size)}} for the step inputs (module inputs,
-    `pydisc.to_lazy`) of two steps with the same ops, or {} when none changed size."""
-    if len(old_shapes) != len(new_shapes):
-        return {}
-    used = {s.ordinal for s in trace.input_storages if s.ordinal >= 0}
+def changed_dims(old_inputs: tuple, new_inputs: tuple, trace: Trace, old_key: tuple, new_key: tuple) -> dict:
+    """{input: {dim: (old size, new size)}} for two steps with the same ops, or {} when no input changed
+    size: step inputs (module inputs, `pydisc.to_lazy`) by ordinal, and ("carried", k) for the k-th
+    input storage where the two steps follow each other and it is a whole tensor the step before made,
+    in both (a KV cache, made anew by each step; not optimizer state, made once and updated in place,
+    nor the state of another model with the same ops). `old_inputs` and `new_inputs`: (step input
+    shapes, per input storage whether the step before made it, the step's number)."""
+    (old_shapes, old_made, old_step), (new_shapes, new_made, new_step) = old_inputs, new_inputs
     out: dict = {}
-    for ordinal, (a, b) in enumerate(zip(old_shapes, new_shapes)):
-        if ordinal not in used or len(a) != len(b):
-            continue
-        dims = {d: (x, y) for d, (x, y) in enumerate(zip(a, b)) if x != y}
-        if dims:
-            out[ordinal] = dims
+    if len(old_shapes) == len(new_shapes):
+        used = {s.ordinal for s in trace.input_storages if s.ordinal >= 0}
+        for ordinal, (a, b) in enumerate(zip(old_shapes, new_shapes)):
+            if ordinal not in used or len(a) != len(b):
+                continue
+            dims = {d: (x, y) for d, (x, y) in enumerate(zip(a, b)) if x != y}
+            if dims:
+                out[ordinal] = dims
+    old_in, new_in = old_key[2], new_key[2]      # ("in", storage index, (size, stride, offset)) per value
+    if len(old_in) == len(new_in) and old_step == new_step - 1:
+        for (_, i, (a, _, _)), (_, j, (b, stride, offset)) in zip(old_in, new_in):
+            if i != j or len(a) != len(b) or a == b or j >= len(old_made) or not (old_made[j] and new_made[j]):
+                continue
+            real = trace.storage_inputs[j]
+            if offset != 0 or _numel(b) != real.numel() or tuple(stride) != _contiguous(b):
+                continue    # a view of part of a storage: not made dynamic
+            dims = {d: (x, y) for d, (x, y) in enumerate(zip(a, b)) if x != y}
+            out.setdefault(("carried", j), {}).update(dims)
     return out
+
+
+def _numel(size) -> int:
+    n = 1
+    for s in size:
+        n *= s
+    return n
+
+
+def _contiguous(size) -> tuple:
+    strides, acc = [], 1
+    for s in reversed(size):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(strides))
 
 
 def flag(changed: dict) -> bool:
     """Mark the changed dims dynamic; True if any was not dynamic yet (and not pinned by a guard)."""
     new = False
-    for ordinal, dims in changed.items():
-        dims = {d for d in dims if (ordinal, d) not in DYNAMIC.blocked}
-        have = DYNAMIC.flagged.setdefault(ordinal, set())
+    for key, dims in changed.items():
+        dims = {d for d in dims if (key, d) not in DYNAMIC.blocked}
+        have = DYNAMIC.flagged.setdefault(key, set())
         if not dims <= have:
             have.update(dims)
             new = True
+        if dims and isinstance(key, tuple):
+            RECORDER.carried_dims = carried_dims
     return new
+
+
+def describe_input(key) -> str:
+    return "step input #%d" % key if isinstance(key, int) else \
+        "input storage #%d (a tensor an earlier step made)" % key[1]
 
 
 def describe(changed: dict) -> str:
     parts = []
-    for ordinal, dims in sorted(changed.items()):
+    for key, dims in sorted(changed.items(), key=lambda kv: str(kv[0])):
         for d, (a, b) in sorted(dims.items()):
-            parts.append("step input #%d dim %d changed %d -> %d" % (ordinal, d, a, b))
+            parts.append("%s dim %d changed %d -> %d" % (describe_input(key), d, a, b))
     return "; ".join(parts)

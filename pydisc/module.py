@@ -5,6 +5,7 @@ import torch
 
 from .frontend import inference
 from .frontend.lazy_tensor import RECORDER, LazyTensor, to_lazy
+from .frontend.symbolic import release_factory_mode
 
 __all__ = ["lazy"]
 
@@ -45,6 +46,7 @@ def _pre_hook(device: torch.device):
             moved = _moved(args, device), _moved(kwargs, device)
             return None if moved[0] is args and moved[1] is kwargs else moved
         inference.use_for_forward()     # F.linear and matmul recorded whole where no grad is recorded
+        release_factory_mode()          # (no dispatch is under way here)
         return _lazy_input(args, device), _lazy_input(kwargs, device)
     return hook
 

@@ -372,9 +372,15 @@ def _build(program: Program, inputs: list[torch.Tensor], device: torch.device,
     try:
         gm = functional_graph(program, inputs, decompositions_for(device))
     except Exception as exc:  # an op that torch's functionalization or fake tensors cannot trace
+        entry = getattr(exc, "pydisc_entry", None)
+        where = ""
+        if entry is not None and entry < len(program.entries):
+            source = sources[entry] if entry < len(sources) else None
+            where = " at %s%s" % (program.entries[entry][0], ", recorded at " + source if source else "")
         warn_once("trace:" + type(exc).__name__ + str(exc)[:80],
-                  "pydisc: could not build a functional graph for this step (%s: %s); the step runs "
-                  "eagerly. Please report this with the op that failed." % (type(exc).__name__, exc))
+                  "pydisc: could not build a functional graph for this step (%s: %s)%s; the step runs "
+                  "eagerly, as it would without pydisc. Please report this with the op named." % (
+                      type(exc).__name__, exc, where))
         return _eager_plan(program, sources)
     METRICS.plan_seconds += time.perf_counter() - started
     return plan_graph(gm, device, sources, step_id)
@@ -411,6 +417,9 @@ def plan_graph(gm: torch.fx.GraphModule, device: torch.device, sources: list[str
         from .frontend.torch_mlir import torch_mlir_reason
         part = add_torch_mlir_regions(part, device, torch_mlir_reason, CONFIG.min_cluster_ops)
     fused = part.graph_module
+    if device.type == "cuda":
+        from .cluster.attention_ops import align_attention_biases
+        align_attention_biases(fused)
     plan = StepPlan(fused)
 
     def note_eager(node: torch.fx.Node) -> None:

@@ -190,6 +190,13 @@ def run_pending(target: LazyTensor | None = None, reason: str = "mark_step") -> 
             raise
         if reason == "mark_step":
             RECORDER.end_step()
+        elif not RECORDER.trace.entries and not torch.is_grad_enabled() and \
+                torch._C._current_graph_task_id() == -1:
+            # a read without grad ran everything pending: the step ends as at mark_step (HF generate()
+            # reads each token's result, then calls the model again, with no mark_step between). Not
+            # inside a backward (a gradient hook's read): autograd restores the thread's dispatch state
+            # when its graph task ends, which would undo the end of a symbolic step
+            RECORDER.end_step()
         if reason == "mark_step" or not RECORDER.trace.entries:    # nothing left that could be abandoned
             optimizer_state.completed()
         if reason == "mark_step" and target is None:
@@ -289,6 +296,10 @@ def _run(trace: Trace, target: LazyTensor | None) -> tuple:
         if perm is not None:
             results = [results[k] for k in perm]
     except Exception as exc:
+        if device.type == "cuda":
+            # kernels of the plan queued before the failure may still read buffers that this frame's
+            # unwinding frees: they finish first (and a fault of theirs shows here, not in a later op)
+            torch.cuda.synchronize(device)
         if _is_out_of_memory(exc):
             # not a fault of the plan: neither given up for eager (which would need the same memory) nor
             # counted as a failure; the step is abandoned and the error says where and why (run_pending)
@@ -399,6 +410,14 @@ def _concrete_key(trace: Trace, executed: list[int], outputs: tuple) -> tuple:
     )
 
 
+def _inputs_seen(trace: Trace) -> tuple:
+    """What `dynamic.changed_dims` compares between two steps with the same ops: the step inputs'
+    shapes, which input storages the previous step made (a KV cache made anew each step), the step."""
+    previous = RECORDER.step_id - 1
+    return (list(RECORDER.input_shapes), tuple(s.produced == previous for s in trace.input_storages),
+            RECORDER.step_id)
+
+
 def _plan_concrete(trace: Trace, key: tuple, executed: list[int], outputs: tuple, inputs: list,
                    device: torch.device, remaining: list[int]):
     """A plan for a step structure not planned before: a dynamic template that matches it, or a new
@@ -414,11 +433,11 @@ def _plan_concrete(trace: Trace, key: tuple, executed: list[int], outputs: tuple
                 log("recompiles", "step matches a dynamic-shape plan with sizes %s", binding.sizes)
                 METRICS.dynamic_matches += 1
                 _PLANS[key] = binding
-                _SEEN_OPS[ops] = (key, list(RECORDER.input_shapes))
+                _SEEN_OPS[ops] = (key, _inputs_seen(trace))
                 return binding
     sources = [trace.entries[i].source for i in executed]
-    seen, seen_shapes = _SEEN_OPS.get(ops, (None, None))
-    shapes = list(RECORDER.input_shapes)
+    seen, seen_inputs = _SEEN_OPS.get(ops, (None, None))
+    shapes = _inputs_seen(trace)
     program = program_from_trace(trace, executed, outputs)
 
     def run_now() -> None:
@@ -434,7 +453,7 @@ def _plan_concrete(trace: Trace, key: tuple, executed: list[int], outputs: tuple
         run_now()
 
     if CONFIG.dynamic:
-        changed = dynamic.changed_dims(seen_shapes, shapes, trace) if seen is not None else {}
+        changed = dynamic.changed_dims(seen_inputs, shapes, trace, seen, key) if seen is not None else {}
         if changed and dynamic.flag(changed):
             # the same ops as a step before, with other sizes: those dims are dynamic from now on
             run_eagerly(dynamic.describe(changed) + "; this step runs eagerly and the next one records "
@@ -516,10 +535,10 @@ def _plan_symbolic(trace: Trace, executed: list[int], outputs: tuple, inputs: li
         parts = []
         for sym, value, where in pinned:
             kind, index, d = session.sources[sym]
-            key = index if kind == "conv" else -1 - index
+            key = index if kind == "conv" else ("carried", index) if kind == "carried" else -1 - index
             dynamic.DYNAMIC.blocked.add((key, d))
             parts.append("%s dim %d was fixed to %d%s" % (
-                "step input #%d" % index if kind == "conv" else "eager tensor #%d" % index, d, value,
+                dynamic.describe_input(key) if kind != "real" else "eager tensor #%d" % index, d, value,
                 " at " + where if where else ""))
         reason = ("dynamic dims specialised: %s (the size was compared with a fixed one: an eager "
                   "tensor of that size, int(), range() or a Python branch); these dims are compiled per "
@@ -653,12 +672,19 @@ def _bind(trace: Trace, outputs: tuple, results: list[torch.Tensor], executed: l
         # everything ran: every tensor made in this trace views its storage's new data (the storages
         # of the step's inputs were written in place, so their tensors' views stay valid)
         values = trace.values
+        symbolic = []
         for vid, ref in trace.tensors.items():
             t = ref()
-            if t is not None and (values[vid][0] == "out" or t._real is None) and t._storage.real is not None:
+            if t is None:
+                continue
+            if (values[vid][0] == "out" or t._real is None) and t._storage.real is not None:
                 t._real = _view_of_base(t._storage.real, *_layout(t))
+            if t._concrete is not None and trace.symbolic is not None and t._real is not None:
+                symbolic.append(t)
         trace.release()
         RECORDER.new_trace()
+        if symbolic:
+            _concretize(symbolic)
         return
     executed_vids = set()
     for i in executed:
@@ -672,6 +698,7 @@ def _bind(trace: Trace, outputs: tuple, results: list[torch.Tensor], executed: l
             if t._storage.real is not None:
                 t._real = _view_of_base(t._storage.real, *_layout(t))
     # Keep the rest pending: values made by the executed entries become inputs of what remains.
+    size_only = _size_only_storages(trace, executed) if trace.symbolic is not None else set()
     for vid in executed_vids:
         storage = trace.storages[vid]
         if storage.real is None:
@@ -682,6 +709,8 @@ def _bind(trace: Trace, outputs: tuple, results: list[torch.Tensor], executed: l
             trace.input_storages.append(storage)
             trace.storage_versions.append(storage.real._version)
         trace.values[vid] = ("in", storage.input_index, trace.metas[vid][:3])
+        if id(storage) in size_only:
+            trace.size_only_inputs.add(storage.input_index)
         storage.creator = None
     for s in touched:
         s.written = False
@@ -690,6 +719,37 @@ def _bind(trace: Trace, outputs: tuple, results: list[torch.Tensor], executed: l
     for e in trace.entries:
         for s in e.writes:
             s.written = True
+
+
+def _concretize(tensors: list[LazyTensor]) -> None:
+    """Tensors a symbolic step made hold sizes of its ShapeEnv (`s41 + 1`), which later steps' Python
+    code would compute with (HF Llama's positions: `torch.arange(1) + cache.get_seq_length()` gave
+    garbage from such a size): each becomes, in place (`torch.utils.swap_tensors`), the same tensor
+    with this step's sizes. One that autograd knows (it requires grad or has one: swapping would drop
+    its gradient) or that is still referenced from C++ (an argument of the op under way) keeps its
+    symbolic sizes."""
+    for t in tensors:
+        if all(type(x) is int for x in t.shape) or t.requires_grad or t.grad is not None:
+            continue
+        size, stride, offset = t._concrete
+        twin = LazyTensor(size, stride, offset, t.dtype, t.device, t._storage, real=t._real,
+                          requires_grad=t.requires_grad)
+        try:
+            torch.utils.swap_tensors(t, twin)
+        except RuntimeError:
+            log("recompiles", "a tensor of shape %s keeps its symbolic sizes (referenced from C++)", size)
+
+
+def _size_only_storages(trace: Trace, executed: list[int]) -> set[int]:
+    """ids of the storages that `executed` entries computed from sizes and eager tensors alone: entries
+    that read no storage but those such entries made, and no lifted scalar."""
+    made: set[int] = set()
+    for i in executed:
+        e = trace.entries[i]
+        if "scalar" in e.sig or any(id(s) not in made for s in e.reads):
+            continue
+        made.update(id(trace.storages[v]) for v in e.out_vids if v is not None)
+    return made
 
 
 set_executor(lambda t, reason: run_pending(t, reason))

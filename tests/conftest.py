@@ -53,6 +53,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
                 item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _no_symbolic_state_outlives_its_step():
+    """Between steps pydisc leaves torch's global dispatch state as it found it: a symbolic step's Python
+    dispatcher and hidden Python kernels end with the step (one left on once made later tests trace
+    other ops, far from the test that leaked it)."""
+    yield
+    import torch
+    from pydisc.frontend.lazy_tensor import RECORDER
+
+    if RECORDER.symbolic is None:
+        assert not torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PythonDispatcher), \
+            "the Python dispatcher outlived the symbolic step that enabled it"
+        assert torch._C.DispatchKey.CompositeImplicitAutograd in torch.ops.aten.dropout.default.py_kernels
+
+
 # The on-disk compile cache (docs/cache.md) of a test run lives in a temp folder made for the session,
 # unless PYDISC_CACHE_DIR is already set: CI stays hermetic and never touches ~/.cache/pydisc, while
 # compiled modules are still shared by the tests (and the subprocesses they start) of one session.

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from .lazy_tensor import RECORDER, LazyTensor
+from .symbolic import own_modes
 
 __all__ = ["use_for_forward", "installed"]
 
@@ -42,9 +43,9 @@ _modes = torch._C._len_torch_dispatch_stack
 
 def _torch_function(cls, func, types, args=(), kwargs=None):
     known = _OPS.get(func)
-    # (a step recorded with symbolic sizes has one dispatch mode of its own, frontend/symbolic.py)
+    # (steps recorded with symbolic sizes push a dispatch mode of pydisc's own, frontend/symbolic.py)
     if known is not None and not _grad_enabled() and (not kwargs or kwargs.keys() <= known[1]) \
-            and not _autocast() and not _functorch() and _modes() == (RECORDER.symbolic is not None):
+            and not _autocast() and not _functorch() and _modes() == own_modes():
         return RECORDER.dispatch(known[0], args, kwargs or {})
     with _NO_SUBCLASS():
         return func(*args, **(kwargs or {}))

@@ -327,6 +327,10 @@ class Recorder:
         # Dynamic shapes: `dims_of(ordinal, real)` says which dims of the ordinal-th step input are
         # dynamic (installed by pydisc/dynamic.py); a step with any is recorded symbolically.
         self.dims_of: Callable[[int, torch.Tensor], tuple] | None = None
+        # ... and `carried_dims(index, real)` which dims of the index-th input storage of the step, a
+        # lazy tensor a previous step made (a KV cache that grows by a token each step), are dynamic;
+        # installed only while some are (pydisc/dynamic.py), so that ops of other steps pay nothing.
+        self.carried_dims: Callable[[int, torch.Tensor], tuple] | None = None
         self.inputs_seen = 0
         self.input_shapes: list[tuple] = []    # shape of each step input, by ordinal
         self.step_id = 0                       # mark_step count (a step may span several traces)
@@ -394,6 +398,42 @@ class Recorder:
         t._fake_sid = session.id
         return t
 
+    def carried_input(self, t: LazyTensor, storage: LazyStorage) -> None:
+        """`t`, the first tensor of this step to read `storage` (a previous step's result), gets symbolic
+        sizes in the dims `carried_dims` names: its fake and concrete layout, not its Python sizes, which
+        stay those of this step (code that reads a KV cache's length gets a number)."""
+        real = t._real
+        index = storage.input_index
+        if real is None or real.storage_offset() != 0 or not real.is_contiguous() or \
+                real.untyped_storage().nbytes() != real.numel() * real.element_size():
+            return
+        dims = self.carried_dims(index, real)
+        if not dims:
+            return
+        if self.symbolic is None:
+            self.symbolic = SymbolicStep(self.record_factory)
+            self.symbolic.enter()
+            self.trace.symbolic = self.symbolic
+        session = self.symbolic
+        size, stride, made = session.symbolic_layout(real, dims, ("carried", index))
+        if not made:
+            return
+        session.conversions[("carried", index)] = (storage, made, real.dim())
+        t._fake = session.fake_symbolic(size, stride, real.dtype, real.device)
+        t._fake_sid = session.id
+        t._concrete = (tuple(real.shape), real.stride(), 0)
+
+    def note_carried(self, args) -> None:
+        """Before an op is recorded: its lazy arguments not read yet in this step get their input
+        storage now, and with it any dynamic dims (`carried_input`), so that the op sees them."""
+        epoch = self.trace.epoch
+        for a in args:
+            if type(a) is LazyTensor:
+                if a._epoch != epoch and a._real is not None:
+                    self.ref(a)
+            elif type(a) is list or type(a) is tuple:
+                self.note_carried(a)
+
     def fake_of(self, a):
         """The fake tensor standing for argument `a` in this symbolic step."""
         session = self.symbolic
@@ -441,9 +481,12 @@ class Recorder:
             trace.storage_inputs.append(storage.real)
             trace.input_storages.append(storage)
             trace.storage_versions.append(storage.real._version)
+            if self.carried_dims is not None and storage.produced == self.step_id - 1:
+                self.carried_input(t, storage)
         concrete = t._concrete
         if concrete is not None and self.symbolic is not None:
-            layout = (tuple(t.shape), t.stride(), t.storage_offset())
+            fake = t._fake if t._fake is not None and t._fake_sid == self.symbolic.id else t
+            layout = (tuple(fake.shape), tuple(fake.stride()), fake.storage_offset())
             vid = trace.new_value(("in", storage.input_index, layout), storage, concrete + (t.dtype,))
             trace.sym_metas[vid] = layout + (t.dtype,)
         elif concrete is not None:
@@ -505,6 +548,8 @@ class Recorder:
                 return self.run_eager(func, args, kwargs, info, fallback=func not in _READ_OPS)
             if info.written_args and self.writes_eager_tensor(args, kwargs, info):
                 return self.run_eager(func, args, kwargs, info, fallback=False)
+            if self.carried_dims is not None and info.is_view:
+                self.note_carried(args)     # a view of a dynamic input is recorded, with its sizes
             if info.is_view and not info.written_args and self.all_clean(args) and \
                     (self.symbolic is None or not _symbolic_args(args, kwargs)):
                 return self.run_eager(func, args, kwargs, info, fallback=False, count=False)
@@ -707,6 +752,8 @@ class Recorder:
         return (kind, descs), fakes
 
     def record(self, func, args, kwargs, info: OpInfo):
+        if self.carried_dims is not None:
+            self.note_carried(args)
         if self.symbolic is not None and _symbolic_args(args, kwargs):
             try:
                 (kind, descs), fakes = self.compute_fake(func, args, kwargs)
@@ -791,7 +838,7 @@ class Recorder:
             if source is not None:
                 storage = _arg(args, kwargs, source[1], source[2])._storage
             else:
-                storage = LazyStorage(nbytes, None, epoch)
+                storage = LazyStorage(nbytes, None, epoch, self.step_id)
             if fakes is None and layout_key is not None:
                 # LazyTensor.__new__ without its checks: the recipe holds the layout and its id
                 t = _make_wrapper(LazyTensor, size, strides=stride, storage_offset=offset, dtype=dtype,

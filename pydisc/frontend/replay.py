@@ -12,6 +12,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import sympy
 import torch
 from torch._dispatch.python import enable_python_dispatcher
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
@@ -181,6 +182,8 @@ def symbolic_program(trace: Trace, entry_indices: list[int], outputs: tuple) -> 
     def convert(a):
         if type(a) is SymArg:
             e = a.expr
+            if e is sympy.true or e is sympy.false:
+                return e is sympy.true
             if e.is_number:
                 return float(e) if isinstance(a.sym, torch.SymFloat) else int(e)
             return SymExpr(e, isinstance(a.sym, torch.SymFloat))
@@ -230,6 +233,9 @@ def symbolic_program(trace: Trace, entry_indices: list[int], outputs: tuple) -> 
                 storage = session.conversions[index][0]
                 if storage.epoch == trace.epoch and storage.input_index in viewed:
                     sources.setdefault(sym, ("s", storage.input_index, d))
+            elif kind == "carried":     # the index-th input storage, made by an earlier step
+                if index in viewed:
+                    sources.setdefault(sym, ("s", index, d))
             elif index < len(trace.real_inputs):
                 sources.setdefault(sym, ("r", index, d))
     needed = set()
@@ -285,9 +291,13 @@ def functional_graph(program: Program, example_inputs: list[torch.Tensor],
     # constant_pad_nd) would otherwise pin a symbolic size to its value in the recorded step.
     symbolic = any(isinstance(t, torch.Tensor) and any(not isinstance(s, int) for s in t.shape)
                    for t in example_inputs)
-    with enable_python_dispatcher() if symbolic else contextlib.nullcontext():
-        gm = make_fx(torch.func.functionalize(traced, remove="mutations"),
-                     decomposition_table=decompositions, tracing_mode="fake")(*example_inputs)
+    try:
+        with enable_python_dispatcher() if symbolic else contextlib.nullcontext():
+            gm = make_fx(torch.func.functionalize(traced, remove="mutations"),
+                         decomposition_table=decompositions, tracing_mode="fake")(*example_inputs)
+    except Exception as exc:
+        exc.pydisc_entry = starts[-1][1] if starts else None   # the entry being traced: named in reports
+        raise
     if starts:
         bounds = iter(starts[1:] + [(1 << 62, -1)])
         next_start, next_index = next(bounds)

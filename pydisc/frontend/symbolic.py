@@ -19,7 +19,8 @@ import sympy
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["SymbolicStep", "SymArg", "SymExpr", "is_symbolic", "hint", "evaluate", "python_evaluator"]
+__all__ = ["SymbolicStep", "SymArg", "SymExpr", "is_symbolic", "hint", "evaluate", "python_evaluator",
+           "release_factory_mode", "own_modes"]
 
 
 class SymArg:
@@ -62,7 +63,7 @@ class SymExpr:
             if self._fn is None:
                 self._fn = python_evaluator(self.expr)
             v = self._fn(env)
-            return float(v) if self.is_float else int(v)
+            return float(v) if self.is_float else v if type(v) is bool else int(v)
         return evaluate(self.expr, env)
 
 
@@ -126,26 +127,61 @@ def _py(e) -> str:
         return "_min(%s)" % ", ".join(_py(a) for a in e.args)
     if isinstance(e, TruncToInt):
         return "int(%s)" % _py(e.args[0])
+    if isinstance(e, sympy.core.relational.Relational):     # a comparison of sizes (SymBool)
+        return "(%s %s %s)" % (_py(e.lhs), e.rel_op, _py(e.rhs))
+    if e is sympy.true or e is sympy.false:
+        return "True" if e is sympy.true else "False"
+    if isinstance(e, (sympy.And, sympy.Or)):
+        return "(" + (" and " if isinstance(e, sympy.And) else " or ").join(_py(a) for a in e.args) + ")"
+    if isinstance(e, sympy.Not):
+        return "(not %s)" % _py(e.args[0])
     raise NotImplementedError("size expression %s (%s)" % (e, type(e).__name__))
 
 
 class _FactoryMode(TorchDispatchMode):
-    """Ops without a lazy argument but with a symbolic size (`torch.arange(T)`, `torch.ones(T, T)`)
-    are recorded as lazy values; every other op passes through."""
+    """While a step records symbolically, ops without a lazy argument but with a symbolic size
+    (`torch.arange(T)`, `torch.ones(T, T)`) are recorded as lazy values; every other op, and every op
+    while no step is symbolic, passes through.
 
-    def __init__(self, record) -> None:
+    One instance serves every symbolic step, and it stays on torch's mode stack from the first symbolic
+    step until `release_factory_mode` pops it where no dispatch is under way (a mode cannot be left from
+    inside an op's dispatch, where a read that ends a step may happen)."""
+
+    def __init__(self) -> None:
         super().__init__()
-        self._record = record
+        self.record = None   # the recording function of the symbolic step in progress, or None
         self.faking = 0      # > 0 while pydisc itself computes fake metadata: pass everything through
+        self.entered = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         from .lazy_tensor import LazyTensor
 
-        if not self.faking and not any(issubclass(t, LazyTensor) for t in types) and \
-                _has_symbols((args, kwargs)):
-            return self._record(func, args, kwargs)
+        if self.record is not None and not self.faking and \
+                not any(issubclass(t, LazyTensor) for t in types) and _has_symbols((args, kwargs)):
+            return self.record(func, args, kwargs)
         return func(*args, **kwargs)
+
+
+_FACTORY_MODE = _FactoryMode()
+
+
+def own_modes() -> int:
+    """How many of the dispatch modes on torch's stack are pydisc's own (0 or 1: the factory mode)."""
+    return 1 if _FACTORY_MODE.entered else 0
+
+
+def release_factory_mode() -> None:
+    """Pop the factory mode if no step is symbolic and it is on top of torch's mode stack (at the end
+    of a symbolic step, at mark_step, before a lazy module's forward, at `to_lazy`)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    mode = _FACTORY_MODE
+    # not on top: inside an op's dispatch torch stashes the mode it runs; a mode entered by the user
+    # above it stays theirs to leave
+    if mode.entered and mode.record is None and _get_current_dispatch_mode() is mode:
+        mode.entered = False
+        mode.__exit__(None, None, None)
 
 
 def _has_symbols(x) -> bool:
@@ -200,10 +236,11 @@ class SymbolicStep:
         # no duck sizing: two dims that happen to be equal in this step are not the same symbol
         self.shape_env = ShapeEnv(duck_shape=False)
         self.fake_mode = FakeTensorMode(shape_env=self.shape_env, allow_non_fake_inputs=True)
-        self.sources: dict[sympy.Symbol, tuple] = {}     # symbol -> ("conv", ordinal, dim) | ("real", index, dim)
+        self.sources: dict[sympy.Symbol, tuple] = {}     # symbol -> ("conv", ordinal, dim) | ("carried", storage, dim)
         self.conversions: dict[int, tuple] = {}          # ordinal -> dims made symbolic
         self.real_fakes: dict[int, torch.Tensor] = {}     # id(eager tensor) -> its fake
-        self._mode = _FactoryMode(record_factory)
+        self._record_factory = record_factory
+        self._mode = _FACTORY_MODE
         self._contexts: list = []
         self._hidden: list = []           # Python kernels hidden while the step records (_CPP_SPELLED)
         self.guards_seen = 0
@@ -216,15 +253,22 @@ class SymbolicStep:
         ctx = enable_python_dispatcher()
         ctx.__enter__()
         self._contexts.append(ctx)
-        self._mode.__enter__()
-        self._contexts.append(self._mode)
+        mode = self._mode
+        if not mode.entered:
+            mode.__enter__()
+            mode.entered = True
+        mode.record = self._record_factory
         self._hidden = _hide_python_kernels()
 
     def exit(self) -> None:
+        """Safe inside an op's dispatch: the factory mode only stops recording (`release_factory_mode`
+        pops it later)."""
         _restore_python_kernels(self._hidden)
         self._hidden = []
+        self._mode.record = None
         while self._contexts:
             self._contexts.pop().__exit__(None, None, None)
+        release_factory_mode()      # at once where that is safe
 
     # ---- symbols -----------------------------------------------------------------------------------
     def symbolic_layout(self, real: torch.Tensor, dims, source: tuple) -> tuple:

@@ -31,9 +31,11 @@ class LazyStorage:
     `written` says that the pending trace writes into it.
     """
 
-    __slots__ = ("real", "nbytes", "creator", "written", "epoch", "input_index", "ordinal", "__weakref__")
+    __slots__ = ("real", "nbytes", "creator", "written", "epoch", "input_index", "ordinal", "produced",
+                 "__weakref__")
 
-    def __init__(self, nbytes: int, real: torch.Tensor | None = None, epoch: int = -1) -> None:
+    def __init__(self, nbytes: int, real: torch.Tensor | None = None, epoch: int = -1,
+                 produced: int | None = None) -> None:
         self.real = real
         self.nbytes = nbytes
         self.creator: int | None = None
@@ -41,6 +43,8 @@ class LazyStorage:
         self.epoch = epoch          # trace epoch in which creator/written/input_index are valid
         self.input_index = -1       # index into Trace.storage_inputs for this epoch
         self.ordinal = -1           # a step input: made lazy as the ordinal-th input of its step
+        # the step whose recorded op allocated it (None: a parameter, buffer, input or eager result)
+        self.produced = produced
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +126,9 @@ class Trace:
     symbolic: Any = None            # the SymbolicStep of a symbolic step
     # a read ran part of this trace and removed those entries: some inputs may no longer be read by any
     partly_run: bool = False
+    # symbolic steps: input storages whose data such a read computed from sizes and eager tensors alone
+    # (`torch.arange(T)`, made lazy only because T is symbolic): eager tensors in a concrete step
+    size_only_inputs: set = field(default_factory=set)
 
     def __len__(self) -> int:
         return len(self.entries)

@@ -250,6 +250,9 @@ def test_reads_during_backward_of_a_symbolic_step():
     torch.testing.assert_close(torch.tensor(seen), torch.tensor(ref_seen), rtol=1e-5, atol=1e-5)
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a.grad.cpu(), b.grad)
+    # the symbolic steps' dispatch state ended with them (a step ended inside backward was restored by
+    # autograd when its graph task ended, and every later op ran through the Python dispatcher)
+    assert not torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PythonDispatcher)
 
 
 @pytest.mark.cuda
@@ -272,3 +275,50 @@ def test_a_template_never_serves_another_dtype(fresh):
             pydisc.mark_step()
             assert y.dtype == dtype
             torch.testing.assert_close(y.cpu(), (x * 2).exp().sum(0))
+
+
+class Growing(torch.nn.Module):
+    """A step that appends to a state the previous step made (a KV cache): its length is a dim of a
+    tensor made by pydisc, not of a step input; the Python code reads that length."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x, cache):
+        cache = torch.cat([cache, self.proj(x)], 0)
+        position = torch.arange(1) + cache.shape[0]        # Python arithmetic on the length
+        return cache, (cache.softmax(0) * position).sum(0)
+
+
+def test_a_growing_tensor_made_by_earlier_steps_is_a_dynamic_dim():
+    torch.manual_seed(0)
+    model = Growing()
+    lazy = pydisc.lazy(copy.deepcopy(model))
+    xs = [torch.randn(1, 4) for _ in range(12)]
+    cache_e = cache_l = torch.zeros(1, 4)
+    with torch.no_grad():
+        for x in xs:
+            cache_e, want = model(x, cache_e)
+            cache_l, got = lazy(x, cache_l)
+            pydisc.mark_step()
+            torch.testing.assert_close(got.cpu(), want)
+            torch.testing.assert_close(cache_l.cpu(), cache_e)
+    m = pydisc.metrics()
+    assert m["dynamic_templates"] == 1 and m["dynamic_matches"] >= 8, m["recompiles"]
+    assert any("a tensor an earlier step made" in r for r in m["recompiles"]), m["recompiles"]
+
+
+def test_sizes_of_a_symbolic_step_are_numbers_afterwards():
+    """Tensors the symbolically recorded step made hold its ShapeEnv's sizes until it ends; then they
+    are numbers again (Python code computing with `s0 + 1` of a finished step got garbage)."""
+    torch.manual_seed(0)
+    model = Growing()
+    lazy = pydisc.lazy(copy.deepcopy(model))
+    cache = torch.zeros(1, 4)
+    with torch.no_grad():
+        for _ in range(6):
+            cache, _ = lazy(torch.randn(1, 4), cache)
+            pydisc.mark_step()
+            assert all(type(s) is int for s in cache.shape), cache.shape
+    assert pydisc.metrics()["dynamic_templates"] == 1

@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 pytest.importorskip("expecttest")  # needed by torch's op_db
 
+from conftest import run_emitted  # noqa: E402
 from pydisc.frontend.decompositions import DECOMPOSITIONS  # noqa: E402
 
 aten = torch.ops.aten
@@ -214,8 +215,6 @@ def _compare(op, args, kwargs, real, got) -> str | None:
 
 def _decomposed(op, args, kwargs):
     if op in COMPILED_ONLY:     # (each call is one IREE compile)
-        from conftest import run_emitted
-
         flat, spec = tree_flatten((args, kwargs))
         positions = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
 

@@ -130,12 +130,12 @@ class Run:
 
 
 def train_side_by_side(name: str, steps: int = 5, lengths: list[int] | None = None, attn: str = "sdpa",
-                       batch: int = 2, optimizer: Callable = adamw) -> Run:
+                       batch: int = 2, optimizer: Callable = adamw, device: str = "cpu") -> Run:
     """Train MODELS[name] eagerly and under pydisc from the same weights on the same batches (one
-    length per step: `lengths`, default 12 throughout)."""
+    length per step: `lengths`, default 12 throughout), both on `device`."""
     lengths = lengths or [12] * steps
     torch.manual_seed(0)
-    eager = MODELS[name](attn).train()
+    eager = MODELS[name](attn).train().to(device)
     lazy = pydisc.lazy(copy.deepcopy(eager))
     opt_e, opt_l = optimizer(eager.parameters()), optimizer(lazy.parameters())
     pydisc.reset_metrics()
@@ -143,6 +143,7 @@ def train_side_by_side(name: str, steps: int = 5, lengths: list[int] | None = No
     g = torch.Generator().manual_seed(0)
     for step, length in enumerate(lengths):
         inputs = lm_batch(g, batch, length, "gpt2" if name == "gpt2_dropout" else name)
+        inputs = {k: v.to(device) for k, v in inputs.items()}
         for model, opt, losses, seconds in ((eager, opt_e, run.eager_losses, run.eager_seconds),
                                             (lazy, opt_l, run.lazy_losses, run.step_seconds)):
             torch.manual_seed(1000 + step)      # the same dropout masks on both sides
@@ -165,5 +166,5 @@ def assert_trains_like_eager(run: Run, rtol: float = 1e-4, atol: float = 1e-4) -
     torch.testing.assert_close(torch.tensor(run.lazy_losses), torch.tensor(run.eager_losses), rtol=rtol, atol=atol)
     lazy = dict(run.lazy_model.named_parameters())
     for name, p in run.eager_model.named_parameters():
-        torch.testing.assert_close(lazy[name].detach().cpu(), p.detach(), rtol=rtol, atol=atol,
+        torch.testing.assert_close(lazy[name].detach().cpu(), p.detach().cpu(), rtol=rtol, atol=atol,
                                    msg=lambda m, name=name: name + ": " + m)

@@ -3,11 +3,15 @@ with AdamW: losses and parameters equal, and every step after the first two comp
 eagerly (no fallback at all: matmuls, convolutions and attention all compile)."""
 from __future__ import annotations
 
+import copy
+
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
 import hf_models  # noqa: E402
+import pydisc  # noqa: E402
 from pydisc.config import CONFIG  # noqa: E402
 
 CASES = [(name, "sdpa") for name in ("bert", "gpt2", "llama", "t5", "bart", "vit")] + \
@@ -29,6 +33,30 @@ def test_hf_model_trains_like_eager_compiled(name: str, attn: str, compile_on_se
     assert m["fallback_ops"] == {}, m["fallback_ops"]
     assert m["plans_compiled"] == 1 and m["graph_cache_hits"] == 2, (m["plans_compiled"], m["graph_cache_hits"])
     assert m["executions"] >= 3 and m["compile_failures"] == {}
+
+
+# Found on the H200 (torch 2.11, IREE 3.13), not fixed yet: with every cluster compiled (no measured
+# choice), two clusters of Llama's attention backward (RoPE's gathers, GQA's sum over the repeated heads)
+# give gradients up to 1e-4 off eager's where they are 1.6e-4 in size (PYDISC_CHECK=1 names them), and
+# a T5 or BART step faults with an illegal address inside a compiled cluster, under both GPU executors.
+CUDA_KNOWN = {"llama-sdpa": "a compiled cluster of Llama's attention backward is wrong on CUDA",
+              "t5-sdpa": "a compiled cluster faults (illegal address) on CUDA",
+              "bart-sdpa": "a compiled cluster faults (illegal address) on CUDA"}
+CUDA_CASES = [pytest.param(*c, marks=pytest.mark.xfail(reason=CUDA_KNOWN["%s-%s" % c], strict=True, run="%s-%s" % c
+                                                      not in ("t5-sdpa", "bart-sdpa")))
+              if "%s-%s" % c in CUDA_KNOWN else c for c in CASES]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name,attn", CUDA_CASES, ids=["%s-%s" % c for c in CASES])
+def test_hf_model_trains_like_eager_compiled_on_cuda(name: str, attn: str, compile_on_second_sighting) -> None:
+    """On CUDA, matmuls and the fused attention kernels stay in torch (cuBLAS, flash/efficient
+    attention) by design; everything around them compiles."""
+    run = hf_models.train_side_by_side(name, steps=5, attn=attn, device="cuda")
+    hf_models.assert_trains_like_eager(run)
+    m = run.metrics
+    assert m["fallback_ops"] == {}, m["fallback_ops"]
+    assert m["plans_compiled"] == 1 and m["executions"] >= 3, (m["plans_compiled"], m["executions"])
 
 
 LENGTHS = [8, 12, 16, 10, 14, 9, 11, 13, 15, 7, 12, 16, 10, 14, 9, 11, 13, 15, 8, 12]
@@ -57,3 +85,76 @@ def test_hf_model_with_a_new_length_every_step_compiles_once(name: str, compile_
     assert run.compiled_share >= 0.8, (run.compiled_steps, m["recompiles"])
     allowed = {"aten.bernoulli.p"} if name == "gpt2_dropout" else set()     # dropout's mask, torch's generator
     assert set(m["fallback_ops"]) <= allowed, m["fallback_ops"]
+
+
+NEW_TOKENS = 32
+
+
+def _decode_by_hand(model, prompt, cache: bool, lazy: bool) -> torch.Tensor:
+    """Greedy decoding, one forward and (under pydisc) one mark_step per token, the ids fed back."""
+    ids, past = prompt.clone(), None
+    with torch.no_grad():
+        for _ in range(NEW_TOKENS):
+            out = model(ids if past is None or not cache else ids[:, -1:], past_key_values=past, use_cache=cache)
+            past = out.past_key_values if cache else None
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            if lazy:
+                pydisc.mark_step()
+                token = token.cpu()
+            ids = torch.cat([ids, token], 1)
+    return ids
+
+
+@pytest.mark.parametrize("name,cache", [("gpt2", True), ("gpt2", False), ("llama", True)],
+                         ids=["gpt2-cache", "gpt2-no-cache", "llama-cache"])
+def test_greedy_decoding_by_hand_compiles_one_plan_for_every_length(name: str, cache: bool,
+                                                                     compile_on_second_sighting,
+                                                                     fresh_plans) -> None:
+    """Each token's step reads a KV cache one longer than the last (or ids one longer, without a
+    cache): the cache's length, a dim of a tensor the previous step made, becomes dynamic."""
+    torch.manual_seed(0)
+    eager = hf_models.MODELS[name]().eval()
+    lazy = pydisc.lazy(copy.deepcopy(eager))
+    prompt = torch.randint(3, hf_models.VOCAB, (2, 6))
+    pydisc.reset_metrics()
+    got = _decode_by_hand(lazy, prompt, cache, lazy=True)
+    assert torch.equal(got, _decode_by_hand(eager, prompt, cache, lazy=False))
+    m = pydisc.metrics()
+    assert m["plans_compiled"] <= 3 and m["dynamic_templates"] == 1, (m["plans_compiled"], m["recompiles"])
+    assert m["dynamic_matches"] >= NEW_TOKENS - 5, m["recompiles"]
+    assert m["fallback_ops"] == {}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_generate_greedy_with_the_default_cache_compiles_one_plan(name: str, compile_on_second_sighting,
+                                                                  fresh_plans) -> None:
+    """HF generate() calls the model once per token and reads each token's result, without a
+    mark_step: a read without grad that ran everything pending ends the step."""
+    torch.manual_seed(0)
+    eager = hf_models.MODELS[name]().eval()
+    lazy = pydisc.lazy(copy.deepcopy(eager))
+    prompt = torch.randint(3, hf_models.VOCAB, (2, 6))
+    settings = dict(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=2)
+    pydisc.reset_metrics()
+    got = lazy.generate(prompt, **settings)
+    m = pydisc.metrics()
+    assert torch.equal(got.cpu(), eager.generate(prompt, **settings))
+    assert m["plans_compiled"] <= 3 and m["dynamic_templates"] == 1, (m["plans_compiled"], m["recompiles"])
+    assert m["dynamic_matches"] >= NEW_TOKENS - 6, m["recompiles"]
+    assert m["fallback_ops"] == {}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_generate_on_cuda_matches_eager(name: str, compile_on_second_sighting, fresh_plans) -> None:
+    torch.manual_seed(0)
+    eager = hf_models.MODELS[name]().eval().cuda()
+    lazy = pydisc.lazy(copy.deepcopy(eager))
+    prompt = torch.randint(3, hf_models.VOCAB, (2, 6), device="cuda")
+    settings = dict(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=2)
+    pydisc.reset_metrics()
+    got = lazy.generate(prompt, **settings)
+    m = pydisc.metrics()
+    assert torch.equal(got.cpu(), eager.generate(prompt, **settings).cpu())
+    assert m["plans_compiled"] <= 3 and m["dynamic_templates"] == 1, (m["plans_compiled"], m["recompiles"])
+    assert m["dynamic_matches"] >= NEW_TOKENS - 6, m["recompiles"]
