@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 
+from . import files
 from .config import CONFIG
 from .diagnostics import log, warn_once
 from .frontend.lazy_tensor import StrictModeError
@@ -315,17 +316,14 @@ _TOO_BIG = "exceeds maximum"
 
 
 def _dump(name: str, text: str, failure: bool = False) -> str | None:
-    folder = CONFIG.dump_dir
-    if not folder:
-        if not failure:
-            return None
-        import tempfile
-        folder = os.path.join(tempfile.gettempdir(), "pydisc-failures")
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, name)
-    with open(path, "w") as f:
-        f.write(text)
-    return path
+    """Write a dump (PYDISC_DUMP_DIR; a failure's also without it) through pydisc/files.py: private
+    folders, no symbolic links followed. None where nothing was written."""
+    try:
+        folder = files.dump_folder(failure)
+        return files.write_file(folder, name, text) if folder is not None else None
+    except OSError as exc:
+        warn_once("dump:" + type(exc).__name__, "pydisc: dumps are not written (%s)" % exc)
+        return None
 
 
 def build_plan(program: Program, inputs: list[torch.Tensor], device: torch.device,

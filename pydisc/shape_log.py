@@ -11,6 +11,7 @@ import json
 
 import torch
 
+from . import files
 from .config import CONFIG
 
 __all__ = ["record_cluster", "read_log"]
@@ -29,9 +30,13 @@ def record_cluster(text: str, device: torch.device, input_type: str = "stablehlo
     if input_type != "stablehlo":
         entry["input_type"] = input_type
     line = json.dumps(entry)
-    # one write per line in append mode: lines from several processes do not interleave
-    with open(CONFIG.shape_log, "a") as f:
-        f.write(line + "\n")
+    # one write per line in append mode (lines from several processes do not interleave), never through
+    # a symbolic link nor into another user's file
+    try:
+        files.append_line(CONFIG.shape_log, line)
+    except OSError as exc:
+        from .diagnostics import warn_once
+        warn_once("shape-log", "pydisc: the shape log %s is not written (%s)" % (CONFIG.shape_log, exc))
 
 
 def read_log(path: str) -> list[dict]:

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import iree.compiler as ireec
 import torch
 
+from .. import files
 from ..config import CONFIG
 from ..metrics import METRICS, METRICS_LOCK
 from .disk_cache import DiskCache, cache_key, configured_disk_cache
@@ -214,11 +215,10 @@ def _compile(text: str, digest: str, input_type: str, target: Target) -> bytes:
 def _dump(text: str, digest: str) -> str | None:
     if not CONFIG.dump_dir:
         return None
-    os.makedirs(CONFIG.dump_dir, exist_ok=True)
-    path = os.path.join(CONFIG.dump_dir, f"{digest[:16]}.mlir")
-    with open(path, "w") as f:
-        f.write(text)
-    return path
+    try:
+        return files.write_file(files.check_private_folder(CONFIG.dump_dir), f"{digest[:16]}.mlir", text)
+    except OSError:
+        return None     # (plan.py warns of a dump folder it cannot write into)
 
 
 def _diagnostics(error: Exception) -> str:
@@ -240,8 +240,8 @@ def _compile_error(error: Exception, digest: str, target: Target, dump_path: str
                    input_type: str = "stablehlo") -> CompileError:
     diagnostics = _diagnostics(error)
     if dump_path is not None:
-        with open(dump_path[: -len(".mlir")] + ".error.txt", "w") as f:
-            f.write(str(error))
+        files.write_file(os.path.dirname(dump_path), os.path.basename(dump_path)[: -len(".mlir")] + ".error.txt",
+                         str(error))
         where = f"The MLIR is in {dump_path}, the full compiler output next to it (.error.txt)."
     else:
         where = "Set PYDISC_DUMP_DIR=/some/dir to keep the MLIR and the full compiler output."
