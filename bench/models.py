@@ -2,7 +2,7 @@
 compiled step, step times against eager, dynamic lengths and decoding. Writes the tables of
 docs/models.md (markdown on stdout).
 
-    python bench/models.py                    # all rows, ~6 minutes on 2 CPU cores
+    python bench/models.py                    # all rows, 10-15 minutes on 2 CPU cores
     python bench/models.py --only gpt2,bert   # some models
 
 Each row runs in a fresh process (pydisc's plans, templates and the step choice are per process) with

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import operator
-import os
 import threading
 import time
 from collections import Counter

@@ -298,8 +298,12 @@ def _run(trace: Trace, target: LazyTensor | None) -> tuple:
     except Exception as exc:
         if device.type == "cuda":
             # kernels of the plan queued before the failure may still read buffers that this frame's
-            # unwinding frees: they finish first (and a fault of theirs shows here, not in a later op)
-            torch.cuda.synchronize(device)
+            # unwinding frees: they finish first. If one faulted, the process's CUDA context is lost and
+            # nothing can run eagerly instead: the failure goes to the user.
+            try:
+                torch.cuda.synchronize(device)
+            except Exception:
+                raise exc from None
         if _is_out_of_memory(exc):
             # not a fault of the plan: neither given up for eager (which would need the same memory) nor
             # counted as a failure; the step is abandoned and the error says where and why (run_pending)

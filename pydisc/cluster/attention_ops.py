@@ -66,7 +66,8 @@ def aligned_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
     elements. F.scaled_dot_product_attention pads the mask's rows (a `constant_pad_nd` and a slice, so
     that the kernel reads it in place); compiled, the pad and the slice fuse away and the bias reaches
     the kernel as IREE's dense result (T5's 6x6 position bias: rows 6 apart, which the kernel refuses:
-    "attn_bias is not correctly aligned"). Dims broadcast with stride 0 stay broadcast."""
+    "attn_bias is not correctly aligned"). Broadcast dims (stride 0) pass the check; a bias that needs
+    the copy is copied whole, as F.scaled_dot_product_attention's padding does."""
     if bias is None or bias.dim() < 2:
         return bias
     if bias.stride(-1) == 1 and (bias.size(-2) <= 1 or bias.stride(-2) % _BIAS_ALIGN == 0) and \
