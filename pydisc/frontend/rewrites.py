@@ -7,6 +7,9 @@
 - `_foreach_*` ops are recorded as one entry that runs per tensor when replayed (`frontend/foreach.py`):
   the lowering rules then need no foreach variants, and per-tensor scalars of `ScalarList` overloads are
   lifted like any other.
+- Matrix products and convolutions check that their tensors share a dtype, as eager's kernels do (the
+  meta functions that record them do not: a float64 batch into a float32 `nn.Linear` compiled and ran
+  where eager raises).
 - `native_batch_norm` (and on CUDA `cudnn_batch_norm`) writes its running statistics without saying
   so in its schema; it is recorded as `_native_batch_norm_legit`, whose schema declares the writes, so
   functionalization sees them.
@@ -193,8 +196,27 @@ def _same_arguments(op, packet):
     return None
 
 
+_SAME_DTYPE = ("mm", "addmm", "bmm", "baddbmm", "mv", "addmv", "dot", "vdot", "linear", "matmul", "convolution",
+               "_convolution", "addbmm")
+
+
+def _same_dtype(func, args, kwargs):
+    dtypes = [a.dtype for a in args if isinstance(a, torch.Tensor)]
+    dtypes += [v.dtype for v in kwargs.values() if isinstance(v, torch.Tensor)]
+    if any(d != dtypes[0] for d in dtypes):
+        raise RuntimeError("%s: expected all tensors to have the same dtype, but got: %s (eager PyTorch "
+                           "raises here too; cast the input, e.g. `x.float()`, or the model, `model.double()`)"
+                           % (func, " != ".join(str(d).replace("torch.", "") for d in dict.fromkeys(dtypes))))
+    return NotImplemented
+
+
 def install_rewrites() -> None:
     r = RECORDER.rewrites
+    for name in _SAME_DTYPE:
+        packet = getattr(aten, name, None)
+        for overload in (packet.overloads() if packet is not None else ()):
+            if overload != "out":
+                r.setdefault(getattr(packet, overload), _same_dtype)
     for base in ("mul", "div"):
         for inplace in ("", "_"):
             packet = getattr(aten, base + inplace)

@@ -2,6 +2,8 @@
 data is needed, mixed dtypes, threads, very long steps, abandoned steps, determinism."""
 from __future__ import annotations
 
+import contextlib
+import copy
 import gc
 import math
 import os
@@ -513,3 +515,32 @@ def test_training_is_bit_identical_in_process():
     assert l1 == l2
     for a, b in zip(p1, p2):
         assert torch.equal(a, b)
+
+
+CALLS = {
+    "linear": lambda m, x: m(x),
+    "no_grad_linear": lambda m, x: m(x),
+    "mm": lambda m, x: torch.mm(x[0], m.weight.t()),
+    "bmm": lambda m, x: torch.bmm(x, m.weight.t().expand(2, 4, 3)),
+    "conv": lambda m, x: torch.nn.functional.conv1d(x.transpose(1, 2), m.weight.unsqueeze(-1)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CALLS))
+def test_mixed_dtypes_in_a_matmul_raise_as_eager_does(case):
+    """The meta functions that record matrix products and convolutions accept mixed dtypes; eager's
+    kernels do not. A float64 batch into a float32 model compiled and ran, silently."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    lazy = pydisc.lazy(copy.deepcopy(model))
+    x = torch.randn(2, 3, 4, dtype=torch.float64)
+    call = CALLS[case]
+    with torch.no_grad() if case == "no_grad_linear" else contextlib.nullcontext():
+        with pytest.raises(RuntimeError, match="type"):
+            call(model, x)
+        with pytest.raises(RuntimeError, match="same dtype"):
+            call(lazy, pydisc.to_lazy(x))
+        pydisc.mark_step()
+        # nothing was left half-recorded: the float32 batch works and matches eager
+        torch.testing.assert_close(call(lazy, pydisc.to_lazy(x.float())).cpu(), call(model, x.float()))
+    pydisc.mark_step()
