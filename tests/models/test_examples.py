@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gzip
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -89,3 +90,18 @@ def test_mnist_example_trains_both_models_like_eager() -> None:
     assert out.count("eager loss") == 2 and out.count("pydisc loss") == 2
     assert out.count("check    max relative loss diff") == 2
     assert "pydisc metrics" in out and "IREE compiles" in out
+
+
+def test_hf_examples_fine_tune_then_generate_like_eager(tmp_path: Path) -> None:
+    """examples/hf_finetune.py then examples/generate.py on its weights, with the settings a user gets
+    (not the tests' PYDISC_* overrides; the compiled path of these models is tests/models/test_hf_models.py's):
+    each exits 0 only when pydisc and eager agree."""
+    pytest.importorskip("transformers")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYDISC_") or k == "PYDISC_CACHE_DIR"}
+    weights = tmp_path / "gpt2.pt"
+    for args in (["hf_finetune.py", "--steps", "8", "--save", str(weights)],
+                 ["generate.py", "--weights", str(weights), "--tokens", "12"]):
+        proc = subprocess.run([sys.executable, str(REPO / "examples" / args[0]), *args[1:]], cwd=REPO,
+                              capture_output=True, text=True, timeout=600, env=env)
+        assert proc.returncode == 0, "%s failed:\n%s\n%s" % (args[0], proc.stdout[-4000:], proc.stderr[-4000:])
+        assert "agree" in proc.stdout and "pydisc metrics" in proc.stdout
