@@ -13,6 +13,7 @@ import torch
 
 from . import files
 from .config import CONFIG
+from .diagnostics import warn_once
 
 __all__ = ["record_cluster", "read_log"]
 
@@ -35,7 +36,6 @@ def record_cluster(text: str, device: torch.device, input_type: str = "stablehlo
     try:
         files.append_line(CONFIG.shape_log, line)
     except OSError as exc:
-        from .diagnostics import warn_once
         warn_once("shape-log", "pydisc: the shape log %s is not written (%s)" % (CONFIG.shape_log, exc))
 
 

@@ -383,11 +383,7 @@ class Recorder:
         if not dims or real.storage_offset() != 0 or not real.is_contiguous() or \
                 real.untyped_storage().nbytes() != real.numel() * real.element_size():
             return None
-        if self.symbolic is None:
-            self.symbolic = SymbolicStep(self.record_factory)
-            self.symbolic.enter()
-            self.trace.symbolic = self.symbolic
-        session = self.symbolic
+        session = self.symbolic_session()
         size, stride, made = session.symbolic_layout(real, dims, ("conv", ordinal))
         if not made:
             return None
@@ -397,6 +393,14 @@ class Recorder:
         t._fake = session.fake_symbolic(size, stride, real.dtype, real.device)
         t._fake_sid = session.id
         return t
+
+    def symbolic_session(self) -> SymbolicStep:
+        """This step's SymbolicStep, started at its first symbolic input."""
+        if self.symbolic is None:
+            self.symbolic = SymbolicStep(self.record_factory)
+            self.symbolic.enter()
+            self.trace.symbolic = self.symbolic
+        return self.symbolic
 
     def carried_input(self, t: LazyTensor, storage: LazyStorage) -> None:
         """`t`, the first tensor of this step to read `storage` (a previous step's result), gets symbolic
@@ -410,11 +414,7 @@ class Recorder:
         dims = self.carried_dims(index, real)
         if not dims:
             return
-        if self.symbolic is None:
-            self.symbolic = SymbolicStep(self.record_factory)
-            self.symbolic.enter()
-            self.trace.symbolic = self.symbolic
-        session = self.symbolic
+        session = self.symbolic_session()
         size, stride, made = session.symbolic_layout(real, dims, ("carried", index))
         if not made:
             return

@@ -17,7 +17,7 @@ from typing import Any
 
 import sympy
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 __all__ = ["SymbolicStep", "SymArg", "SymExpr", "is_symbolic", "hint", "evaluate", "python_evaluator",
            "release_factory_mode", "own_modes"]
@@ -174,8 +174,6 @@ def own_modes() -> int:
 def release_factory_mode() -> None:
     """Pop the factory mode if no step is symbolic and it is on top of torch's mode stack (at the end
     of a symbolic step, at mark_step, before a lazy module's forward, at `to_lazy`)."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
     mode = _FACTORY_MODE
     # not on top: inside an op's dispatch torch stashes the mode it runs; a mode entered by the user
     # above it stays theirs to leave
