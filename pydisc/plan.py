@@ -310,8 +310,9 @@ def _size_function(emitted, device: torch.device) -> Callable:
     return prepare
 
 
-# IREE's CUDA driver refuses a kernel with more than 16 buffer bindings when loading the module.
-_TOO_BIG = "exceeds maximum"
+# A fused kernel with more buffer bindings than the runtime takes per launch, refused when the module
+# loads: IREE's CUDA driver allows 16 ("exceeds maximum"), its CPU runtime 32 ("binding count 47 > 32").
+_TOO_BIG = ("exceeds maximum", "binding count")
 
 
 def _dump(name: str, text: str, failure: bool = False) -> str | None:
@@ -463,7 +464,9 @@ def plan_graph(gm: torch.fx.GraphModule, device: torch.device, sources: list[str
     compile_started = time.perf_counter()
     share_scalars = _share_scalars(device)
 
-    def compile_into(parent: torch.fx.GraphModule, name: str, k: int, total: int) -> None:
+    def compile_into(parent: torch.fx.GraphModule, name: str, k: int, total: int,
+                     shared: bool | None = None) -> None:
+        shared = share_scalars if shared is None else shared
         sub = getattr(parent, name)
         ops = [n for n in sub.graph.nodes if n.op == "call_function"]
         op_names = [str(n.target) for n in ops]
@@ -471,21 +474,29 @@ def plan_graph(gm: torch.fx.GraphModule, device: torch.device, sources: list[str
             print("pydisc: compiling cluster %d/%d (%d ops)..." % (k + 1, total, len(ops)), flush=True)
         t0 = time.perf_counter()
         try:
-            emitted = emitted_ahead.pop(name, None) if parent is fused else None
+            emitted = emitted_ahead.pop(name, None) if parent is fused and shared == share_scalars else None
             if emitted is None:
-                emitted = emit_cluster(sub, share_scalars=share_scalars)
+                emitted = emit_cluster(sub, share_scalars=shared)
             _dump("step%d_%s.mlir" % (step_id, name), emitted.text)
             compiled = compile_module(emitted.text, device)
         except Exception as exc:
             first_line = str(exc).splitlines()[0] if str(exc) else ""
-            if _TOO_BIG in str(exc) and len(ops) > 1:
-                # a fused kernel of this cluster needs more buffers than the GPU driver allows per
+            too_big = any(marker in str(exc) for marker in _TOO_BIG)
+            if too_big and shared:
+                # scalars read behind a shared barrier are one buffer each to the kernels that use
+                # them: read in each kernel instead, that cluster may fit
+                log("compiles", "cluster %s too large for the target (%s); scalars read per kernel", name,
+                    first_line)
+                compile_into(parent, name, k, total, shared=False)
+                return
+            if too_big and len(ops) > 1:
+                # a fused kernel of this cluster needs more buffers than the runtime allows per
                 # launch: compile the cluster as two halves instead
                 log("compiles", "cluster %s (%d ops) too large for the target (%s); splitting", name,
                     len(ops), first_line)
                 halves = partition_graph(sub, device, unsupported_reason, 1, max_ops=(len(ops) + 1) // 2)
                 for j, inner in enumerate(halves.clusters):
-                    compile_into(halves.graph_module, inner, j, len(halves.clusters))
+                    compile_into(halves.graph_module, inner, j, len(halves.clusters), shared=shared)
                 note_eager_ops(halves)
                 setattr(parent, name, halves.graph_module)
                 summary.append("  %s: %d ops, split in %d after: %s" % (name, len(ops), len(halves.clusters),

@@ -625,3 +625,23 @@ def test_optimizer_counters_after_steps_run_by_reads(monkeypatch, fresh_plans):
     with pytest.raises(torch.OutOfMemoryError):
         pydisc.mark_step()
     assert [float(s["step"]) for s in optimizer_state(opt)] == [3.0] * 4
+
+
+def test_kernel_over_the_cpu_binding_limit_compiles(fresh_plans):
+    """40 lifted scalars read by one fused kernel: behind the shared barrier each is a buffer of its own,
+    and IREE's CPU runtime refuses a launch of more than 32 (`binding count 42 > 32` when the module
+    loads). The cluster is compiled again with each kernel reading its scalars itself."""
+    def chain(x):
+        for i in range(40):
+            x = x * (1 + 0.001 * i)
+        return x
+
+    x0 = torch.randn(64, 64)
+    before = pydisc.metrics()
+    got = chain(pydisc.to_lazy(x0))
+    pydisc.mark_step()
+    after = pydisc.metrics()
+    torch.testing.assert_close(got.cpu(), chain(x0))
+    assert after["compile_failures"] == before["compile_failures"]
+    assert after["ops_stablehlo"] - before["ops_stablehlo"] >= 40
+    assert after["fallback_ops"] == before["fallback_ops"]
