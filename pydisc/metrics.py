@@ -16,6 +16,7 @@ class Metrics:
     compiles: int = 0                 # IREE compiler invocations
     cache_hits: int = 0               # compiled clusters reused instead of compiled
     disk_cache_hits: int = 0          # of those, read from the on-disk cache (docs/cache.md)
+    disk_cache_discarded: Counter = field(default_factory=Counter)  # why -> entries removed unread (docs/cache.md)
     executions: int = 0               # runs of compiled clusters
     clusters: int = 0                 # compiled clusters, both routes (distinct graphs)
     clusters_stablehlo: int = 0       # of those, StableHLO clusters

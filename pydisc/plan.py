@@ -95,11 +95,13 @@ class CompiledCluster(torch.nn.Module):
             else:
                 arguments, outs, results = self.prepare(inputs)
                 self.compiled.run(arguments, outs)
-        except RuntimeError as exc:
+        except Exception as exc:
+            from .exec.compiler import forget_module
             from .exec.errors import is_out_of_memory
-            if not is_out_of_memory(exc):
-                raise
-            raise self.out_of_memory(exc) from exc
+            if isinstance(exc, RuntimeError) and is_out_of_memory(exc):
+                raise self.out_of_memory(exc) from exc
+            forget_module(self.compiled)   # neither this process nor the next loads these bytes again
+            raise
         return results
 
     def measure(self, inputs):

@@ -78,6 +78,8 @@ def metrics_report(top: int = 10) -> str:
             m.cuda_graph_captures, m.cuda_graph_replays, "; kernel by kernel: " + ", ".join(
                 "%s x%d" % kv for kv in m.cuda_graph_fallbacks.most_common(top))
             if m.cuda_graph_fallbacks else ""))
+    if m.disk_cache_discarded:
+        lines.append("  cache entries discarded " + ", ".join("%s x%d" % kv for kv in m.disk_cache_discarded.items()))
     if m.compile_failures:
         lines.append("  compile failures     " + ", ".join("%s x%d" % kv for kv in m.compile_failures.items()))
     if m.numerics_checks:

@@ -29,7 +29,7 @@ from .session import DeviceSession, session_for
 from .direct.module import compile_bundle, load_bundle
 from .target import CUDA_DIRECT_TARGET, Target, target_for
 
-__all__ = ["compile_module", "precompile", "clear_cache", "text_hash"]
+__all__ = ["compile_module", "precompile", "clear_cache", "forget_module", "text_hash"]
 
 _MAX_DIAGNOSTIC_LINES = 40
 _MAX_DIAGNOSTIC_CHARS = 4000
@@ -42,6 +42,8 @@ INPUT_TYPES = ("stablehlo", "torch")
 _FAILED: dict[tuple[str, str, tuple[str, ...]], CompileError] = {}
 # results of `precompile` not yet taken by `compile_module`: the .vmfb bytes, or the CompileError
 _PREFETCHED: dict[tuple, bytes | CompileError] = {}
+# the on-disk key of each compiled text (`forget_module` removes the entry of a module that failed)
+_DISK_KEYS: dict[tuple[str, str, str, tuple[str, ...]], str] = {}
 
 
 def text_hash(text: str) -> str:
@@ -56,6 +58,22 @@ def clear_cache() -> None:
         _MODULE_CACHE.clear()
         _FAILED.clear()
         _PREFETCHED.clear()
+        _DISK_KEYS.clear()
+
+
+def forget_module(module) -> None:
+    """Forget a module that failed to run: in memory and on disk, so that neither this process nor the
+    next loads the same bytes again (a later `compile_module` of its text compiles it afresh)."""
+    cache = configured_disk_cache()
+    with _LOCK:
+        keys = [k for k, m in _MODULE_CACHE.items() if m is module]
+        for k in keys:
+            del _MODULE_CACHE[k]
+            text_key = k[:-1]
+            _VMFB_CACHE.pop(text_key, None)
+            disk_key = _DISK_KEYS.pop(text_key, None)
+            if cache is not None and disk_key is not None:
+                cache.discard(disk_key)
 
 
 def precompile(texts: list[str], device: torch.device | str, jobs: int | None = None,
@@ -145,6 +163,7 @@ def _load_from_disk_or_compile(
     if cache is None:
         return _module(_compiled(text, digest, input_type, target), target, session, name)
     disk_key = cache_key(digest, target, input_type)
+    _DISK_KEYS[(digest, input_type, target.name, target.flags)] = disk_key
     module = _load_from_disk(cache, disk_key, target, session, name)
     if module is not None:
         return module

@@ -3,8 +3,10 @@
 Entries are executable code, so:
 - the folder must belong to the user and be writable by nobody else (checked on every access, refused
   with `CacheDirError` otherwise; created with mode 0700);
-- every entry carries the sha256 of its bytes; a truncated or corrupted entry is removed and compiled
-  again, never loaded;
+- every entry carries the key it was made for, the versions of the toolchain that made it and a sha256
+  of all that and its bytes; an entry that is damaged, of an older format, filed under another key or
+  made by another toolchain is never loaded: it is removed, counted (`disk_cache_discarded`), warned of
+  once and compiled again. An entry that loads but fails to run is removed by its caller (`discard`);
 - writes go to a temporary file in the same folder and are renamed into place (`os.replace`), so a
   reader sees a whole entry or none, and concurrent writers of one key simply replace each other;
 - a process about to compile an entry holds a lock on it (`compiling`), so processes sharing the folder
@@ -20,6 +22,7 @@ import contextlib
 import functools
 import hashlib
 import importlib.metadata
+import json
 import os
 import platform
 import stat
@@ -30,6 +33,7 @@ import warnings
 from dataclasses import dataclass
 
 from ..config import CONFIG
+from ..metrics import METRICS, METRICS_LOCK
 from .errors import CacheDirError, CacheWarning
 from .target import Target
 
@@ -44,8 +48,10 @@ __all__ = [
 ]
 
 ENTRY_SUFFIX = ".vmfb"
-# Entry layout: magic, sha256 of the payload, payload length (little endian), payload (the .vmfb bytes).
-_MAGIC = b"PYDISC\x00\x01"
+# Entry layout: magic, sha256 of the body, body length (8 bytes, little endian), body. The body: the
+# length of a JSON header (4 bytes, little endian), the header ({"key", "toolchain"}), the .vmfb bytes.
+_MAGIC = b"PYDISC\x00\x02"
+_OLDER_MAGICS = (b"PYDISC\x00\x01",)
 _HEADER_SIZE = len(_MAGIC) + 32 + 8
 CHOICES_FILE = "speed_choices.json"     # the measured speed choices kept next to the entries (choices.py)
 _TEMP_PREFIX = ".tmp-"
@@ -85,7 +91,8 @@ class DiskCache:
     # -- lookups and writes ------------------------------------------------------------------------
 
     def get(self, key: str) -> bytes | None:
-        """The entry's bytes, verified; None on a miss. A damaged entry is removed and counts as a miss."""
+        """The entry's bytes, verified; None on a miss. An entry that is damaged, of an older format, filed
+        under another key or made by another toolchain is removed, counted and warned of; a miss."""
         if not self._usable():
             return None
         path = self.path(key)
@@ -98,15 +105,20 @@ class DiskCache:
         except OSError as e:
             _warn_once("read", f"pydisc could not read the compile cache entry {path} ({e}); compiling instead")
             return None
-        payload = _unpack(blob)
-        if payload is None:
+        entry = _unpack(blob)
+        problem = entry if isinstance(entry, str) else _mismatch(entry, key)
+        if problem is not None:
             _remove_if_unchanged(path, opened)
+            with METRICS_LOCK:
+                METRICS.disk_cache_discarded[problem] += 1
+            _warn_once("discard:" + problem, f"pydisc discarded the compile cache entry {path}: {problem}; "
+                                             "compiling it again (counted in metrics()['disk_cache_discarded'])")
             return None
         try:
             os.utime(path)  # least-recently-used order is mtime order
         except OSError:
             pass
-        return payload
+        return entry.payload
 
     def contains(self, key: str) -> bool:
         """Whether an entry exists (unverified: `get` checks it)."""
@@ -120,7 +132,7 @@ class DiskCache:
         try:
             fd, temp = tempfile.mkstemp(prefix=_TEMP_PREFIX, suffix=ENTRY_SUFFIX, dir=self.directory)  # 0600
             with os.fdopen(fd, "wb") as f:
-                f.write(_pack(vmfb))
+                f.write(_pack(key, vmfb))
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(temp, self.path(key))
@@ -154,6 +166,7 @@ class DiskCache:
                 os.close(fd)
 
     def discard(self, key: str) -> None:
+        """Remove the entry of `key` (one that failed to load or to run): the next process compiles it."""
         _remove_quietly(self.path(key))
 
     # -- size and housekeeping ---------------------------------------------------------------------
@@ -257,6 +270,10 @@ def cache_command(argv: list[str] | None = None) -> int:
     if cache is None:
         print("pydisc compile cache: disabled (PYDISC_CACHE_DIR=off)")
         return 0
+    if os.path.lexists(cache.directory) and not os.path.isdir(cache.directory):
+        print(f"refused  {cache.directory} is not a folder. Set PYDISC_CACHE_DIR to a folder only you can "
+              "write, or PYDISC_CACHE_DIR=off.")
+        return 1
     if args.command == "clear":
         removed, freed = cache.clear()
         print(f"removed {removed} entries ({freed / _MB:.2f} MB) from {cache.directory}")
@@ -362,20 +379,45 @@ def _host_cpu() -> str:
 # -- entry format and small helpers --------------------------------------------------------------------
 
 
-def _pack(vmfb: bytes) -> bytes:
-    return _MAGIC + hashlib.sha256(vmfb).digest() + len(vmfb).to_bytes(8, "little") + vmfb
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    key: str
+    toolchain: tuple[str, ...]
+    payload: bytes
 
 
-def _unpack(blob: bytes) -> bytes | None:
-    """The payload if the entry is whole and its hash matches, else None."""
+def _pack(key: str, vmfb: bytes) -> bytes:
+    header = json.dumps({"key": key, "toolchain": list(_toolchain())}).encode()
+    body = len(header).to_bytes(4, "little") + header + vmfb
+    return _MAGIC + hashlib.sha256(body).digest() + len(body).to_bytes(8, "little") + body
+
+
+def _unpack(blob: bytes) -> _Entry | str:
+    """The entry if it is whole and its hash matches, else why not."""
+    if blob.startswith(_OLDER_MAGICS):
+        return "an entry of an older pydisc's format"
     if len(blob) < _HEADER_SIZE or not blob.startswith(_MAGIC):
-        return None
+        return "not a pydisc cache entry"
     digest = blob[len(_MAGIC): len(_MAGIC) + 32]
     length = int.from_bytes(blob[len(_MAGIC) + 32: _HEADER_SIZE], "little")
-    payload = blob[_HEADER_SIZE:]
-    if len(payload) != length or hashlib.sha256(payload).digest() != digest:
-        return None
-    return payload
+    body = blob[_HEADER_SIZE:]
+    if len(body) != length or hashlib.sha256(body).digest() != digest:
+        return "damaged (truncated, or its bytes do not match their hash)"
+    size = int.from_bytes(body[:4], "little")
+    try:
+        header = json.loads(body[4: 4 + size])
+        return _Entry(str(header["key"]), tuple(header["toolchain"]), body[4 + size:])
+    except (ValueError, KeyError, TypeError):
+        return "damaged (its header does not parse)"
+
+
+def _mismatch(entry: _Entry, key: str) -> str | None:
+    """Why an intact entry found under `key` must not be loaded, or None."""
+    if entry.key != key:
+        return "filed under another key than the one it was made for"
+    if entry.toolchain != _toolchain():
+        return "made by another toolchain (%s)" % ", ".join(entry.toolchain)
+    return None
 
 
 def _is_key(name: str) -> bool:

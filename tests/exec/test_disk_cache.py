@@ -16,7 +16,7 @@ import torch
 from pydisc.config import CONFIG
 from pydisc.exec import CacheDirError, DiskCache, clear_cache, compile_module
 from pydisc.exec import disk_cache as disk_cache_module
-from pydisc.exec.compiler import text_hash
+from pydisc.exec.compiler import forget_module, text_hash
 from pydisc.exec.disk_cache import (
     ENTRY_SUFFIX, _unpack, cache_command, cache_key, configured_disk_cache, resolve_cache_dir,
 )
@@ -136,7 +136,7 @@ def test_concurrent_writers_leave_only_valid_entries(tmp_path):
     assert len(names) == 1 + (workers + 3) * rounds
     for path in entry_files(directory):
         with open(path, "rb") as f:
-            assert _unpack(f.read()) is not None, path
+            assert not isinstance(_unpack(f.read()), str), path
     last = DiskCache(directory, max_bytes=1 << 40).get("a" * 64)
     assert last is not None and len(last) == 200_000 + last[0]
 
@@ -181,7 +181,7 @@ def test_damaged_entry_is_recompiled(cache_dir, metrics, damage):
     assert run_add(text) == [3.0] * 4
     assert (metrics.compiles, metrics.disk_cache_hits) == (2, 0)
     with open(path, "rb") as f:
-        assert _unpack(f.read()) is not None  # rewritten whole
+        assert not isinstance(_unpack(f.read()), str)  # rewritten whole
 
 
 def test_intact_entry_that_does_not_load_is_replaced(cache_dir, metrics):
@@ -191,6 +191,69 @@ def test_intact_entry_that_does_not_load_is_replaced(cache_dir, metrics):
     assert run_add(text) == [3.0] * 4
     assert (metrics.compiles, metrics.disk_cache_hits) == (1, 0)
     assert configured_disk_cache().get(key) != b"not a vmfb"
+
+
+SUB = ADD.replace("stablehlo.add", "stablehlo.subtract")
+
+
+def test_entry_filed_under_another_key_is_discarded(cache_dir, metrics):
+    """A valid entry copied over another's (same signature, other op) is never run: each entry carries
+    the key it was made for."""
+    add, sub = ADD.format(tag="moved"), SUB.format(tag="moved")
+    assert run_add(add) == [3.0] * 4
+    assert run_add(sub) == [-1.0] * 4
+    cache = configured_disk_cache()
+    add_key, sub_key = (cache_key(text_hash(t), CPU_TARGET) for t in (add, sub))
+    with open(cache.path(add_key), "rb") as f:
+        moved = f.read()
+    with open(cache.path(sub_key), "wb") as f:
+        f.write(moved)                              # add's entry, filed under sub's key
+    clear_cache()
+    with pytest.warns(disk_cache_module.CacheWarning, match="another key"):
+        assert run_add(sub) == [-1.0] * 4           # compiled again, not add's code
+    assert (metrics.compiles, metrics.disk_cache_hits) == (3, 0)
+    assert metrics.disk_cache_discarded == {"filed under another key than the one it was made for": 1}
+    assert run_add(add) == [3.0] * 4 and metrics.disk_cache_hits == 1   # its own entry still loads
+
+
+def test_entry_of_another_toolchain_or_format_is_discarded(cache_dir, metrics, monkeypatch):
+    text = ADD.format(tag="toolchain")
+    cache = configured_disk_cache()
+    key = cache_key(text_hash(text), CPU_TARGET)
+    run_add(text)
+    with open(cache.path(key), "rb") as f:
+        good = f.read()
+    with monkeypatch.context() as m:                # an entry made by an older IREE, filed under today's key
+        m.setattr(disk_cache_module, "_toolchain", lambda: ("iree-compiler 2.0", "pydisc 0.0.1"))
+        cache.put(key, _unpack(good).payload)
+    assert cache.get(key) is None and not os.path.exists(cache.path(key))
+    with open(cache.path(key), "wb") as f:          # the first entry format (before keys were kept)
+        f.write(b"PYDISC\x00\x01" + bytes(40) + good)
+    assert cache.get(key) is None and not os.path.exists(cache.path(key))
+    assert dict(metrics.disk_cache_discarded) == {
+        "made by another toolchain (iree-compiler 2.0, pydisc 0.0.1)": 1, "an entry of an older pydisc's format": 1}
+    clear_cache()
+    assert run_add(text) == [3.0] * 4 and metrics.compiles == 2
+
+
+def test_module_that_fails_to_run_is_forgotten_on_disk(cache_dir, metrics):
+    text = ADD.format(tag="fails to run")
+    module = compile_module(text, "cpu")
+    (path,) = entry_files(cache_dir)
+    forget_module(module)                           # what a compiled cluster does when its run raises
+    assert entry_files(cache_dir) == []
+    assert compile_module(text, "cpu") is not module and metrics.compiles == 2
+    assert len(entry_files(cache_dir)) == 1
+
+
+def test_cli_info_on_a_file_is_an_error(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "cache"
+    path.write_text("a file, not a folder")
+    monkeypatch.setattr(CONFIG, "cache_dir", str(path))
+    for command in ("info", "clear"):
+        assert cache_command([command]) == 1
+        assert "not a folder" in capsys.readouterr().out
+    assert path.read_text() == "a file, not a folder"
 
 
 @pytest.mark.parametrize("mode", [0o777, 0o770, 0o722])

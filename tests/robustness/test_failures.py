@@ -242,6 +242,9 @@ def test_runtime_error_in_compiled_cluster_falls_back(monkeypatch, fresh_plans):
     assert any("runtime" in k or "Execution" in k for k in after if after[k] != before.get(k, 0)), after
     # once failed, the graph runs eagerly: the broken module is not called again every step
     assert len(runs) <= 2, "a failing compiled step keeps being retried (%d runs)" % len(runs)
+    # and its bytes are forgotten, in memory and on disk: the next process compiles it afresh
+    from pydisc.exec import compiler
+    assert not any(m is runs[0] for m in compiler._MODULE_CACHE.values())
 
 
 def test_runtime_error_leaves_inputs_untouched_until_results_exist(monkeypatch, fresh_plans):
