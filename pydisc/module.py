@@ -1,8 +1,12 @@
 """`pydisc.lazy(module)`: turn a module's parameters and buffers into lazy tensors, in place."""
 from __future__ import annotations
 
-import torch
+import weakref
 
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from .diagnostics import warn_once
 from .frontend import inference
 from .frontend.lazy_tensor import RECORDER, LazyTensor, to_lazy
 from .frontend.symbolic import release_factory_mode
@@ -74,7 +78,8 @@ def lazy(module: torch.nn.Module, *, device: str | torch.device | None = None) -
     """Convert `module` in place and return it: its parameters and buffers become lazy tensors on
     `device` (default: where they are now), and tensors passed to its forward become lazy too.
 
-    Build optimizers after this call: they must hold the lazy parameters.
+    The Parameter and buffer objects stay the same objects (`torch.utils.swap_tensors`), so optimizers,
+    hooks and references made before this call keep working.
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError("pydisc.lazy expects a torch.nn.Module, got %s" % type(module).__name__)
@@ -96,15 +101,12 @@ def lazy(module: torch.nn.Module, *, device: str | torch.device | None = None) -
         if id(t) in converted:
             return converted[id(t)]
         data = to_lazy(t.detach().to(device))
-        if is_param:
-            new = torch.nn.Parameter(data, requires_grad=t.requires_grad)
-        else:
-            new = data
-        converted[id(t)] = new
-        return new
+        new = torch.nn.Parameter(data, requires_grad=t.requires_grad) if is_param else data
+        converted[id(t)] = kept = _keep_object(t, new)
+        return kept
 
-    # Entries are replaced directly: module._apply and `param.data = ...` do not work for wrapper
-    # subclasses (see the recording notes).
+    # `module._apply` and `param.data = ...` do not work for wrapper subclasses: each tensor object is
+    # turned lazy where it is (`_keep_object`) and its entry set to it.
     for m in module.modules():
         for name, p in list(m._parameters.items()):
             m._parameters[name] = convert(p, True)
@@ -115,3 +117,62 @@ def lazy(module: torch.nn.Module, *, device: str | torch.device | None = None) -
         module._pydisc_hooked = True
     module._pydisc_device = device
     return module
+
+
+# Tensors `lazy()` could not turn lazy in place (weak references to them, or other references to their
+# storage, make `swap_tensors` refuse): id -> weak reference to the replaced original. An optimizer that
+# still steps one of them is stopped at its first step (`_check_optimizer`).
+_REPLACED: dict[int, weakref.ref] = {}
+_CHECKED_OPTIMIZERS: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+_HOOK: list = []
+
+
+def _keep_object(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """`old` itself, now holding `new`'s lazy tensor; its hooks and attributes kept. Where torch refuses
+    the swap, `new` (and `old` is remembered: an optimizer stepping it raises)."""
+    hooks, accumulate_hooks = old._backward_hooks, old._post_accumulate_grad_hooks
+    grad = old.grad if old.grad_fn is None else None
+    try:
+        old.grad = None            # (held by the C++ tensor, which the swap replaces)
+        torch.utils.swap_tensors(old, new)
+    except RuntimeError as exc:
+        old.grad = grad
+        warn_once("lazy:swap", "pydisc.lazy could not convert a parameter or buffer in place (%s): it is "
+                  "replaced by a new object, and optimizers or hooks built before pydisc.lazy() do not see "
+                  "it; build them after pydisc.lazy(model)" % exc)
+        _remember_replaced(old)
+        return new
+    # `new` now holds what `old` held (its impl, class and attributes): bring the user's attributes over,
+    # and hand the hook dicts (which the user's handles remove from) to the new impl through their setters
+    for name, value in new.__dict__.items():
+        old.__dict__.setdefault(name, value)
+    old._backward_hooks = hooks
+    old._post_accumulate_grad_hooks = accumulate_hooks
+    if grad is not None:
+        old.grad = to_lazy(grad.to(old.device))
+    return old
+
+
+def _remember_replaced(old: torch.Tensor) -> None:
+    try:
+        _REPLACED[id(old)] = weakref.ref(old, lambda _, key=id(old): _REPLACED.pop(key, None))
+    except TypeError:
+        return
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_pre_hook(_check_optimizer))
+
+
+def _check_optimizer(optimizer, args, kwargs) -> None:
+    """At an optimizer's first step: refuse one that holds parameters `lazy()` replaced (it would step
+    the old objects and the model would not train)."""
+    if optimizer in _CHECKED_OPTIMIZERS:
+        return
+    _CHECKED_OPTIMIZERS.add(optimizer)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            ref = _REPLACED.get(id(p))
+            if ref is not None and ref() is p:
+                raise RuntimeError(
+                    "this optimizer holds a parameter that pydisc.lazy() replaced (it could not be converted "
+                    "in place, see the warning before): it would step the old tensor and the model would not "
+                    "train. Build the optimizer after pydisc.lazy(model).")

@@ -357,6 +357,63 @@ def test_weight_tying_trains_like_eager() -> None:
     assert_state_equal(run.eager.model, lazy)
 
 
+@pytest.mark.parametrize("eager_steps", [0, 2])
+def test_optimizer_and_hooks_built_before_lazy_keep_working(eager_steps: int) -> None:
+    """`lazy()` converts the Parameter objects in place: an optimizer (and its state after eager steps),
+    tensor hooks and attributes made before it see the lazy parameters; training matches eager."""
+    torch.manual_seed(0)
+    eager_model = tiny_mlp()
+    lazy_model = copy.deepcopy(eager_model)
+    trainees = [Trainee(m, torch.optim.Adam(m.parameters(), lr=1e-2)) for m in (eager_model, lazy_model)]
+    held = [list(m.parameters()) for m in (eager_model, lazy_model)]
+    seen: list[list[str]] = [[], []]
+    removed = []
+    for k, m in enumerate((eager_model, lazy_model)):
+        m[0].weight.register_hook(lambda g, k=k: seen[k].append("grad"))
+        m[2].bias.register_post_accumulate_grad_hook(lambda p, k=k: seen[k].append("accumulated"))
+        removed.append(m[4].weight.register_hook(lambda g, k=k: seen[k].append("removed")))
+        m[0].weight.tag = "mine"
+    batches = data(eager_steps + 3)
+    for x, y in batches[:eager_steps]:
+        for t in trainees:
+            t.losses.append(plain_step(t, x, y))
+    pydisc.lazy(lazy_model)
+    for handle in removed:                          # handles made before lazy() still remove their hook
+        handle.remove()
+    assert all(a is b for a, b in zip(lazy_model.parameters(), held[1], strict=True))
+    assert pydisc.is_lazy(lazy_model[0].weight) and lazy_model[0].weight.tag == "mine"
+    executions = pydisc.metrics()["executions"]
+    for x, y in batches[eager_steps:]:
+        for t in trainees:
+            t.losses.append(plain_step(t, x, y))
+        pydisc.mark_step()
+    assert pydisc.metrics()["executions"] > executions
+    run = SideBySide(trainees[0], trainees[1], [], [])
+    assert_losses_equal(run)
+    assert_state_equal(eager_model, lazy_model)
+    assert seen[1] == seen[0] and seen[0].count("grad") == len(batches)
+
+
+def test_optimizer_of_parameters_lazy_could_not_keep_raises() -> None:
+    """Where torch refuses to convert a parameter in place (a weak reference to it), lazy() warns, and an
+    optimizer built before it stops at its first step instead of training the old tensors."""
+    import weakref
+
+    model = tiny_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    watcher = weakref.ref(model[0].weight)
+    with pytest.warns(pydisc.PydiscWarning, match="could not convert a parameter"):
+        pydisc.lazy(model)
+    x, y = data(1)[0]
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="Build the optimizer after pydisc.lazy"):
+        opt.step()
+    pydisc.mark_step()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()    # one built after lazy() steps
+    pydisc.mark_step()
+    assert watcher() is not None
+
+
 def test_frozen_parameters_stay_frozen() -> None:
     def make():
         model = tiny_mlp()
