@@ -61,6 +61,10 @@ class Config:
     # on CUDA, attention written out (softmax(q @ k^T * scale) @ v) and its gradient run as torch's
     # flash or memory-efficient attention kernels (pydisc/cluster/attention.py): 0 leaves them as written
     fuse_attention: bool = _env("PYDISC_FUSE_ATTENTION", "1") != "0"
+    # a compiled step also computes whether an index is out of range or an integer is divided by zero
+    # where eager raises, and is run again eagerly (raising eager's error) when one is
+    # (pydisc/cluster/value_checks.py): "cpu" (default), "cuda", "all" or "off"
+    value_checks: str = _env("PYDISC_VALUE_CHECKS", "cpu")
 
 
 CONFIG = Config()

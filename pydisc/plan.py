@@ -39,6 +39,7 @@ class StepPlan:
     library_ops: Counter = field(default_factory=Counter)  # ATen op -> runs in torch's libraries by choice
     graph: Any = None                                     # its CUDA graph, once run (exec/graphs.StepGraph)
     runs: int = 0                                         # counted for PYDISC_CHECK (pydisc/step_check.py)
+    value_check: bool = False                             # its last result: a value eager raises on (cluster/value_checks.py)
 
 
 class CompiledCluster(torch.nn.Module):
@@ -402,6 +403,7 @@ def plan_graph(gm: torch.fx.GraphModule, device: torch.device, sources: list[str
     `meta["pydisc_entry"]`); `step_id` names the dump files."""
     from .cluster import (add_torch_mlir_regions, fuse_attention, is_host_scalar, pad_unaligned_matmuls,
                           partition_graph, partition_regions)
+    from .cluster.value_checks import checks_values, guard_values
     from .exec import compile_module
     from .exec.compiler import precompile
     from .frontend.emit import emit_cluster, unsupported_reason
@@ -410,6 +412,7 @@ def plan_graph(gm: torch.fx.GraphModule, device: torch.device, sources: list[str
     _dump("step%d_graph.txt" % step_id, gm.code)
     if CONFIG.disable:
         return StepPlan(gm, Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function"))
+    value_check = guard_values(gm, flag=checks_values(device, CONFIG.value_checks))
     attentions = fuse_attention(gm, device)
     padded = pad_unaligned_matmuls(gm, device)
     part = partition_graph(gm, device, unsupported_reason, CONFIG.min_cluster_ops)
@@ -420,7 +423,7 @@ def plan_graph(gm: torch.fx.GraphModule, device: torch.device, sources: list[str
     if device.type == "cuda":
         from .cluster.attention_ops import align_attention_biases
         align_attention_biases(fused)
-    plan = StepPlan(fused)
+    plan = StepPlan(fused, value_check=value_check)
 
     def note_eager(node: torch.fx.Node) -> None:
         if is_host_scalar(node) or node.meta.get("pydisc_view"):  # sizes; views torch keeps: not fallbacks

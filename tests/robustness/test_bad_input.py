@@ -7,6 +7,7 @@ import copy
 import gc
 import math
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -544,3 +545,127 @@ def test_mixed_dtypes_in_a_matmul_raise_as_eager_does(case):
         # nothing was left half-recorded: the float32 batch works and matches eager
         torch.testing.assert_close(call(lazy, pydisc.to_lazy(x.float())).cpu(), call(model, x.float()))
     pydisc.mark_step()
+
+
+# ------------------------------------------------------------------------------------------------
+# values eager refuses: an index out of range, an integer divided by zero (cluster/value_checks.py)
+
+VALUE_ERRORS = {
+    "floor_divide": lambda a, w, i, t: a // t,
+    "remainder": lambda a, w, i, t: a % t,
+    "fmod": lambda a, w, i, t: torch.fmod(a, t),
+    "trunc_divide": lambda a, w, i, t: torch.div(a, t, rounding_mode="trunc"),
+    "cross_entropy": lambda a, w, i, t: torch.nn.functional.cross_entropy(w[:4], i),
+    "nll_loss": lambda a, w, i, t: torch.nn.functional.nll_loss(w[:4].log_softmax(1), i),
+    "embedding": lambda a, w, i, t: torch.nn.functional.embedding(i, w),
+    "index": lambda a, w, i, t: w[i],
+    "index_select": lambda a, w, i, t: w.index_select(0, i),
+    "gather": lambda a, w, i, t: w.gather(0, i.unsqueeze(1).expand(-1, 6)),
+    "scatter_add": lambda a, w, i, t: w.scatter_add(0, i.unsqueeze(1).expand(-1, 6), w[:4]),
+    "index_put": lambda a, w, i, t: w.index_put((i,), torch.ones(4, 6)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_ERRORS))
+def test_values_eager_refuses_raise_as_eager_does(name):
+    """Compiled, a gather clamps its indices and an integer division by zero is undefined: these steps
+    returned made-up values where eager raises. The compiled step now checks, and a step that meets
+    such a value raises eager's own exception and message; good values still run compiled."""
+    fn = VALUE_ERRORS[name]
+    good = (torch.tensor([4, 5, -7, 9]), torch.randn(6, 6), torch.tensor([0, 3, 5, 1]), torch.tensor([2, 1, 3, -2]))
+    bad = (good[0], good[1], torch.tensor([0, 3, 6, 1]), torch.tensor([2, 0, 3, -2]))
+    if name in ("index", "index_put"):
+        bad = (*bad[:2], torch.tensor([0, -7, 2, 1]), bad[3])    # negative indices are allowed here, to -6
+    for args in (good, good):       # compiled (the step's plan is made and reused)
+        want = fn(*args)
+        got = fn(*[pydisc.to_lazy(a) for a in args])
+        pydisc.mark_step()
+        torch.testing.assert_close(got.cpu(), want)
+    executions = pydisc.metrics()["executions"]
+    assert executions > 0
+    with pytest.raises(Exception) as expected:
+        fn(*bad)
+    got = fn(*[pydisc.to_lazy(a) for a in bad])
+    with pytest.raises(type(expected.value), match=re.escape(str(expected.value).splitlines()[0])):
+        pydisc.mark_step()
+    assert pydisc.metrics()["executions"] > executions    # the compiled step ran, and refused the value
+    pydisc.mark_step()
+    want = fn(*good)
+    got = fn(*[pydisc.to_lazy(a) for a in good])
+    pydisc.mark_step()
+    torch.testing.assert_close(got.cpu(), want)
+    assert pydisc.metrics()["compile_failures"].get("runtime:IndexError", 0) == 0
+
+
+def test_a_training_step_with_a_target_out_of_range_changes_nothing():
+    """A batch whose labels exceed the classes (a wrong `num_labels`): eager raises in cross_entropy;
+    the compiled step raises the same error at mark_step and leaves parameters and Adam's state as they
+    were, and training goes on compiled."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    lazy = pydisc.lazy(copy.deepcopy(model))
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, lazy)]
+
+    def step(m, opt, y):
+        x = torch.arange(20.0).reshape(5, 4) / 10
+        loss = torch.nn.functional.cross_entropy(m(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    good = torch.tensor([0, 1, 2, 1, 0])
+    for _ in range(3):
+        want = step(model, opts[0], good)
+        got = step(lazy, opts[1], good)
+        pydisc.mark_step()
+        torch.testing.assert_close(got.cpu(), want.detach())
+    before = [p.detach().cpu().clone() for p in lazy.parameters()]
+    state = [v.cpu().clone() for s in opts[1].state.values() for v in s.values()]
+    step(lazy, opts[1], torch.tensor([0, 1, 3, 1, 0]))
+    with pytest.raises(IndexError, match="Target 3 is out of bounds"):
+        pydisc.mark_step()
+    pydisc.mark_step()
+    for a, b in zip(before, lazy.parameters()):
+        assert torch.equal(a, b.detach().cpu())
+    for a, b in zip(state, [v for s in opts[1].state.values() for v in s.values()]):
+        assert torch.equal(a, b.cpu())
+    executions = pydisc.metrics()["executions"]
+    want = step(model, opts[0], good)
+    got = step(lazy, opts[1], good)
+    pydisc.mark_step()
+    torch.testing.assert_close(got.cpu(), want.detach())
+    assert pydisc.metrics()["executions"] > executions
+
+
+_FAR_INDICES = """
+import torch, pydisc
+w = torch.randn(6, 6)
+ops = {
+    "index": lambda w, i: w[i], "embedding": lambda w, i: torch.nn.functional.embedding(i, w),
+    "scatter_add": lambda w, i: w.scatter_add(0, i.unsqueeze(1).expand(-1, 6), w[:4]),
+    "index_put": lambda w, i: w.index_put((i,), torch.ones(4, 6), accumulate=True),
+}
+for name, fn in ops.items():
+    for i in ([0, 3, 1, 2], [0, 10 ** 9, 1, 2]):    # the plan, then an index far outside the tensor
+        got = fn(pydisc.to_lazy(w), pydisc.to_lazy(torch.tensor(i)))
+        pydisc.mark_step()
+    assert pydisc.metrics()["executions"] > 0 and not pydisc.metrics()["fallback_ops"], pydisc.metrics()
+    print(name, "ran", float(got.cpu()[0].sum()), float(fn(w, torch.tensor([0, 3, 1, 2]))[0].sum()))
+"""
+
+
+def test_an_index_far_out_of_range_never_reaches_outside_the_tensor():
+    """Without the value checks (PYDISC_VALUE_CHECKS=off, as on CUDA by default) a compiled gather or
+    scatter with an index of 10**9 read or wrote far outside its tensor: a segmentation fault. Indices
+    are clamped into range inside the compiled code, so the step runs (its values at that index are not
+    eager's, which would raise: docs/robustness.md)."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               PYDISC_VALUE_CHECKS="off", PYDISC_COMPILE_AFTER="1", PYDISC_STEP_CHOICE="off")
+    done = subprocess.run([sys.executable, "-c", _FAR_INDICES], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=600)
+    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
+    lines = [ln.split() for ln in done.stdout.splitlines() if " ran " in ln]
+    assert [ln[0] for ln in lines] == ["index", "embedding", "scatter_add", "index_put"]
+    for _, _, got, want in lines:       # row 0 is not the one out of range: eager's value
+        assert math.isclose(float(got), float(want), rel_tol=1e-5, abs_tol=1e-5), lines
