@@ -17,7 +17,8 @@ import threading
 
 import torch
 
-from .disk_cache import CHOICES_FILE, cache_key, configured_disk_cache
+from .disk_cache import CHOICES_FILE, DiskCache, cache_key, configured_disk_cache
+from .errors import CacheDirError
 from .target import target_for
 
 __all__ = ["choice_key", "lookup", "store", "FILE_NAME"]
@@ -45,13 +46,20 @@ def choice_key(text_digest: str, device: torch.device, inputs) -> tuple[str, str
     return cache.directory, hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
+def _checked(directory: str) -> None:
+    """The cache folder's own check (mode 0700, this user's): the choices file is read and written only
+    there. Raises CacheDirError or OSError."""
+    DiskCache(directory, 0).check_folder()
+
+
 def _read(directory: str) -> dict:
     try:
+        _checked(directory)
         with open(os.path.join(directory, FILE_NAME)) as f:
             data = json.load(f)
         return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}            # none yet, or unreadable: measure again
+    except (OSError, ValueError, CacheDirError):
+        return {}            # none yet, unreadable or in a folder others can write: measure again
 
 
 def lookup(key: tuple[str, str] | None) -> dict | None:
@@ -78,13 +86,13 @@ def store(key: tuple[str, str] | None, choice: dict) -> None:
         merged[digest] = choice
         temp = None
         try:
-            os.makedirs(directory, mode=0o700, exist_ok=True)
+            _checked(directory)
             fd, temp = tempfile.mkstemp(prefix=".tmp-choices-", dir=directory)
             with os.fdopen(fd, "w") as f:
                 json.dump(merged, f, indent=0, sort_keys=True)
             os.replace(temp, os.path.join(directory, FILE_NAME))
             temp = None
-        except OSError:
+        except (OSError, CacheDirError):
             pass
         finally:
             if temp is not None:

@@ -196,27 +196,59 @@ def _same_arguments(op, packet):
     return None
 
 
-_SAME_DTYPE = ("mm", "addmm", "bmm", "baddbmm", "mv", "addmv", "dot", "vdot", "linear", "matmul", "convolution",
-               "_convolution", "addbmm")
+# Ops whose meta functions accept tensors of mixed dtypes that eager's kernels refuse (a float64 batch
+# into a float32 Linear, float64 values put into a float32 tensor, norms with float64 weights, an
+# integer result into a bool tensor in place). Where an op of these gets mixed dtypes, it is run once
+# in torch on uninitialised tensors of the same layouts: eager's own exception and message, at the
+# op's line. The verdict is kept per (op, dtypes, device type).
+_EAGER_DTYPE_CHECKS = (
+    "mm", "addmm", "bmm", "baddbmm", "mv", "addmv", "dot", "vdot", "linear", "matmul", "convolution",
+    "_convolution", "addbmm", "index_put", "index_put_", "_index_put_impl_", "index_add", "index_add_",
+    "native_layer_norm", "native_group_norm", "native_batch_norm", "_native_batch_norm_legit",
+    "_native_batch_norm_legit_no_training", "mul_", "div_", "sub_", "add_",
+)
 
 
-def _same_dtype(func, args, kwargs):
-    dtypes = [a.dtype for a in args if isinstance(a, torch.Tensor)]
-    dtypes += [v.dtype for v in kwargs.values() if isinstance(v, torch.Tensor)]
-    if any(d != dtypes[0] for d in dtypes):
-        raise RuntimeError("%s: expected all tensors to have the same dtype, but got: %s (eager PyTorch "
-                           "raises here too; cast the input, e.g. `x.float()`, or the model, `model.double()`)"
-                           % (func, " != ".join(str(d).replace("torch.", "") for d in dict.fromkeys(dtypes))))
-    return NotImplemented
+def _dtype_checked(then=None):
+    verdicts: dict[tuple, BaseException | None] = {}
+
+    def rewrite(func, args, kwargs):
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]    # (not index_put's list of indices)
+        tensors += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+        if tensors and any(t.dtype != tensors[0].dtype for t in tensors):
+            key = (func, tuple(t.dtype for t in tensors), tensors[0].device.type)
+            if key not in verdicts:
+                verdicts[key] = _eager_verdict(func, args, kwargs)
+            if verdicts[key] is not None:
+                raise verdicts[key]
+        return then(func, args, kwargs) if then is not None else NotImplemented
+    return rewrite
+
+
+def _eager_verdict(func, args, kwargs) -> BaseException | None:
+    """The exception eager's kernel raises for these arguments' dtypes and layouts, or None. Integer
+    tensors (indices) hold zeros; an IndexError is about those values, not the dtypes: None."""
+    def empty(x):
+        if isinstance(x, torch.Tensor):
+            if x.dtype.is_floating_point or x.dtype.is_complex:
+                return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+            return torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+        if isinstance(x, (list, tuple)):
+            return type(x)(empty(v) for v in x)
+        return x
+
+    with torch._C._DisableTorchDispatch(), torch.no_grad():
+        try:
+            func(*[empty(a) for a in args], **{k: empty(v) for k, v in kwargs.items()})
+        except IndexError:
+            return None
+        except (RuntimeError, TypeError, ValueError) as exc:
+            return exc
+    return None
 
 
 def install_rewrites() -> None:
     r = RECORDER.rewrites
-    for name in _SAME_DTYPE:
-        packet = getattr(aten, name, None)
-        for overload in (packet.overloads() if packet is not None else ()):
-            if overload != "out":
-                r.setdefault(getattr(packet, overload), _same_dtype)
     for base in ("mul", "div"):
         for inplace in ("", "_"):
             packet = getattr(aten, base + inplace)
@@ -252,3 +284,9 @@ def install_rewrites() -> None:
     r[aten.resize_.default] = _resize
     r[aten.cudnn_batch_norm.default] = _cudnn_batch_norm
     r[aten.cudnn_batch_norm_backward.default] = _cudnn_batch_norm_backward
+    for name in _EAGER_DTYPE_CHECKS:    # (last: around the rewrites above)
+        packet = getattr(aten, name, None)
+        for overload in (packet.overloads() if packet is not None else ()):
+            if "out" not in overload:
+                op = getattr(packet, overload)
+                r[op] = _dtype_checked(r.get(op))
