@@ -110,11 +110,11 @@ def guard_values(gm: torch.fx.GraphModule, flag: bool) -> bool:
                     below = new_node(graph, aten.lt.Scalar, (index, low), {}, node)
                     above = new_node(graph, aten.ge.Scalar, (index, high), {}, node)
                     outside = new_node(graph, aten.logical_or.default, (below, above), {}, node)
-                    flags.append(new_node(graph, aten.any.default, (outside,), {}, node))
+                    flags.append(_any(graph, outside, node))
                 clamped[index] = new_node(graph, aten.clamp.default, (index, low, high - 1), {}, node)
             if divisor is not None:
                 zero = new_node(graph, aten.eq.Scalar, (divisor, 0), {}, node)
-                flags.append(new_node(graph, aten.any.default, (zero,), {}, node))
+                flags.append(_any(graph, zero, node))
         if clamped:
             node.args = _with_indices(node, clamped)
             changed = True
@@ -129,6 +129,16 @@ def guard_values(gm: torch.fx.GraphModule, flag: bool) -> bool:
         graph.lint()
         gm.recompile()
     return bool(flags)
+
+
+def _any(graph: torch.fx.Graph, mask: torch.fx.Node, like: torch.fx.Node) -> torch.fx.Node:
+    """Whether any element of `mask` is set: the trailing dims first, then the first. IREE 3.13's
+    llvm-cpu code for one reduce of a (2, ?) tensor to a scalar asked for a stack allocation of 2**54
+    bytes and failed to compile (BERT's ids with a dynamic length)."""
+    rank = mask.meta["val"].dim()
+    if rank > 1:
+        mask = new_node(graph, aten.any.dims, (mask, list(range(1, rank))), {}, like)
+    return new_node(graph, aten.any.default, (mask,), {}, like)
 
 
 def _with_indices(node: torch.fx.Node, clamped: dict) -> tuple:

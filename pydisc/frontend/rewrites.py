@@ -23,6 +23,7 @@ from torch.utils._mode_utils import no_dispatch
 
 from .foreach import optimizers_take_their_foreach_path, record_foreach
 from .lazy_tensor import RECORDER, LazyTensor, LiftedScalar, _opinfo, liftable
+from .symbolic import hint
 
 __all__ = ["install_rewrites"]
 
@@ -229,17 +230,22 @@ def _eager_verdict(func, args, kwargs) -> BaseException | None:
     """The exception eager's kernel raises for these arguments' dtypes and layouts, or None. Integer
     tensors (indices) hold zeros; an IndexError is about those values, not the dtypes: None."""
     def empty(x):
-        if isinstance(x, torch.Tensor):
+        if isinstance(x, torch.Tensor):     # (sizes of a symbolic step: this step's, no guard added)
+            shape, stride = [hint(d) for d in x.shape], [hint(d) for d in x.stride()]
             if x.dtype.is_floating_point or x.dtype.is_complex:
-                return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
-            return torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+                return torch.empty_strided(shape, stride, dtype=x.dtype, device=x.device)
+            return torch.zeros(shape, dtype=x.dtype, device=x.device)
         if isinstance(x, (list, tuple)):
             return type(x)(empty(v) for v in x)
-        return x
+        return hint(x)
 
     with torch._C._DisableTorchDispatch(), torch.no_grad():
         try:
-            func(*[empty(a) for a in args], **{k: empty(v) for k, v in kwargs.items()})
+            real_args, real_kwargs = [empty(a) for a in args], {k: empty(v) for k, v in kwargs.items()}
+        except Exception:  # noqa: BLE001 - no tensors to ask eager with: the meta function's verdict stands
+            return None
+        try:
+            func(*real_args, **real_kwargs)
         except IndexError:
             return None
         except (RuntimeError, TypeError, ValueError) as exc:

@@ -699,3 +699,25 @@ def test_an_index_far_out_of_range_never_reaches_outside_the_tensor():
     assert [ln[0] for ln in lines] == ["index", "embedding", "scatter_add", "index_put"]
     for _, _, got, want in lines:       # row 0 is not the one out of range: eager's value
         assert math.isclose(float(got), float(want), rel_tol=1e-5, abs_tol=1e-5), lines
+
+
+def test_eager_dtype_verdict_with_symbolic_sizes():
+    """In a step recorded with symbolic sizes (dynamic shapes) the tensors of a mixed-dtype op have
+    SymInt sizes: eager's verdict is taken on tensors of this step's sizes, not refused for lack of
+    concrete ones (it raised "SymIntArrayRef expected to contain only concrete integers")."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    from pydisc.frontend.rewrites import _eager_verdict
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC, DimDynamic.STATIC])
+    a = mode.from_tensor(torch.ones(5, 3, 4, dtype=torch.float64), source=ConstantSource("a"),
+                         symbolic_context=context)
+    b = mode.from_tensor(torch.ones(5, 4, 3), source=ConstantSource("b"), symbolic_context=context)
+    assert isinstance(a.shape[0], torch.SymInt)
+    with pytest.raises(RuntimeError) as eager:
+        torch.bmm(torch.ones(5, 3, 4, dtype=torch.float64), torch.ones(5, 4, 3))
+    verdict = _eager_verdict(torch.ops.aten.bmm.default, (a, b), {})
+    assert isinstance(verdict, RuntimeError) and str(verdict) == str(eager.value)
