@@ -432,7 +432,8 @@ def _index_put_check(node: torch.fx.Node) -> str | None:
 
 
 @lowering(aten.as_strided.default, aten.as_strided_copy.default)
-def _as_strided(ctx: LoweringContext, x: Value, size: Sequence[int], stride: Sequence[int], storage_offset: int | None = None) -> Value:
+def _as_strided(ctx: LoweringContext, x: Value, size: Sequence[int], stride: Sequence[int],
+                storage_offset: int | None = None) -> Value:
     """A strided view of a contiguous tensor: gather the flat positions offset + sum(i_d * stride_d)."""
     b = ctx.builder
     shape = ctx.out_spec.shape
