@@ -70,7 +70,8 @@ def main() -> None:
     for label, us in rows:
         print("| %s | %.1f |" % (label, us))
 
-    print("\n## [matmul -> bias+GELU+scale region -> matmul], K=768, N=3072 then 768, fp32 (TF32 off), 20 iterations per sample\n")
+    print("\n## [matmul -> bias+GELU+scale region -> matmul], K=768, N=3072 then 768, fp32 (TF32 off), "
+          "20 iterations per sample\n")
     print("| M | eager us/iter | IREE runtime us/iter | direct us/iter | direct/eager | direct/IREE runtime |")
     print("| ---: | ---: | ---: | ---: | ---: | ---: |")
     region = lambda h, b: F.gelu(h + b) * 0.5  # noqa: E731

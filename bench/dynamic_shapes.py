@@ -149,7 +149,8 @@ def main(argv=None) -> int:
             print("%s: failed: %s: %s" % (mode, type(exc).__name__, str(exc).splitlines()[0][:200]))
     eager = next((r for r in rows if r["mode"] == "eager"), None)
     print()
-    print("| mode | total s (compile incl.) | vs eager | graphs compiled | median ms/step | max rel. loss diff (20 steps) | notes |")
+    print("| mode | total s (compile incl.) | vs eager | graphs compiled | median ms/step "
+          "| max rel. loss diff (20 steps) | notes |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         diff = ""

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import math
 import os
 import statistics
 import sys

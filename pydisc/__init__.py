@@ -17,6 +17,7 @@ from .frontend.lazy_tensor import RECORDER, LazyTensor, StrictModeError, is_lazy
 from .frontend.lazy_tensor import to_lazy as _to_lazy
 from .frontend.rewrites import install_rewrites
 from .frontend.symbolic import release_factory_mode
+from ._version import __version__
 from .metrics import METRICS
 from .module import lazy
 from .optimizer_state import install_optimizer_hook
@@ -25,7 +26,6 @@ from .step import run_pending
 
 __all__ = ["lazy", "mark_step", "mark_dynamic", "is_lazy", "to_lazy", "metrics", "reset_metrics", "metrics_report",
            "LazyTensor", "PydiscWarning", "StrictModeError", "wait_for_compiles", "__version__"]
-__version__ = "0.1.0"
 
 install_rewrites()
 install_collectives()     # after the rewrites: it wraps any rewrite of copy_

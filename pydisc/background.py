@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 from . import step_choice
-from .config import CONFIG
+from .config import CONFIG, applies
 from .frontend.lazy_tensor import RECORDER
 from .metrics import METRICS
 from .plan import build_plan
@@ -66,7 +66,7 @@ _saved_interval: list[float] = []
 def enabled(device: torch.device) -> bool:
     """On for `device`, and not in a torch.distributed process group: ranks whose plans became ready at
     different steps would run the same step, and its collectives, in different modes."""
-    return CONFIG.background_compile in ("all", device.type) and not step_choice.distributed()
+    return applies(CONFIG.background_compile, device) and not step_choice.distributed()
 
 
 def pending() -> bool:

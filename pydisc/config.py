@@ -4,11 +4,34 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["Config", "CONFIG"]
+__all__ = ["Config", "CONFIG", "SCOPES", "applies"]
 
 
 def _env(name: str, default: str = "") -> str:
     return os.environ.get(name, default)
+
+
+SCOPES = ("all", "cuda", "cpu", "off")
+
+
+def _choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
+    """The setting `name` if it is one of `allowed` (case and spaces ignored); a clear error otherwise,
+    since a typo would silently mean something else."""
+    value = _env(name, default).strip().lower() or default
+    if value not in allowed:
+        hint = " (the GPU is `cuda`)" if value in ("gpu", "gpus", "nvidia") and "cuda" in allowed else ""
+        raise ValueError("%s=%s is not a setting pydisc knows%s: use one of %s (see the README's settings)"
+                         % (name, _env(name), hint, ", ".join(allowed)))
+    return value
+
+
+def _scope(name: str, default: str) -> str:
+    return _choice(name, default, SCOPES)
+
+
+def applies(scope: str, device) -> bool:
+    """Whether a scope setting ("all", "cuda", "cpu", "off") covers `device` (a torch.device)."""
+    return scope == "all" or scope == device.type
 
 
 @dataclass
@@ -31,24 +54,24 @@ class Config:
     dynamic: bool = _env("PYDISC_DYNAMIC", "1") != "0"     # dynamic dims (0: one static plan per shape)
     # on CUDA, matmuls and convolutions run in torch (cuBLAS/cuDNN, several times faster than IREE's
     # code) between compiled clusters; "iree" keeps them inside the clusters
-    gpu_matmul: str = _env("PYDISC_GPU_MATMUL", "torch")
+    gpu_matmul: str = _choice("PYDISC_GPU_MATMUL", "torch", ("torch", "iree"))
     # on the CPU the same choice: "torch" runs them in torch's libraries (oneDNN, MKL) between the clusters
-    cpu_matmul: str = _env("PYDISC_CPU_MATMUL", "iree")
+    cpu_matmul: str = _choice("PYDISC_CPU_MATMUL", "iree", ("torch", "iree"))
     # on CUDA, how compiled clusters run: "direct" launches IREE's kernels on torch's current stream
     # (pydisc/exec/direct), "iree" calls IREE's runtime (its own stream, a host sync per call)
-    gpu_executor: str = _env("PYDISC_GPU_EXECUTOR", "direct")
+    gpu_executor: str = _choice("PYDISC_GPU_EXECUTOR", "direct", ("direct", "iree"))
     # on its second call, time each compiled cluster against its ops run eagerly and keep eager where
     # it is >10% faster (plan.CompiledCluster.measure): "cuda" (default), "cpu", "all" or "off"
-    measure: str = _env("PYDISC_MEASURE", "cuda")
+    measure: str = _scope("PYDISC_MEASURE", "cuda")
     # once a step graph repeats, time a few steps compiled and a few run eagerly op by op, and keep the
     # faster for the rest of the process (pydisc/step_choice.py): "all" (default), "cuda", "cpu", "off"
-    step_choice: str = _env("PYDISC_STEP_CHOICE", "all")
+    step_choice: str = _scope("PYDISC_STEP_CHOICE", "all")
     # a new step graph is compiled the Nth time it is recorded; until then it runs eagerly (a graph seen
     # once, like an optimizer's first step that creates its state, is never compiled). 1: at once
     compile_after: int = max(1, int(_env("PYDISC_COMPILE_AFTER", "2")))
     # a new step graph's plan is built in a thread while the steps run eagerly (pydisc/background.py):
     # "cuda" (default), "cpu", "all" or "off"
-    background_compile: str = _env("PYDISC_BACKGROUND_COMPILE", "cuda")
+    background_compile: str = _scope("PYDISC_BACKGROUND_COMPILE", "cuda")
     # the torch-mlir route: ops with no StableHLO rule are compiled through torch-mlir's FX importer
     # (frontend/torch_mlir.py) instead of running eagerly, where it can
     torch_mlir: bool = _env("PYDISC_TORCH_MLIR", "1") != "0"
@@ -64,7 +87,7 @@ class Config:
     # a compiled step also computes whether an index is out of range or an integer is divided by zero
     # where eager raises, and is run again eagerly (raising eager's error) when one is
     # (pydisc/cluster/value_checks.py): "cpu" (default), "cuda", "all" or "off"
-    value_checks: str = _env("PYDISC_VALUE_CHECKS", "cpu")
+    value_checks: str = _scope("PYDISC_VALUE_CHECKS", "cpu")
 
 
 CONFIG = Config()

@@ -36,7 +36,8 @@ class Metrics:
     compile_seconds: float = 0.0
     plan_seconds: float = 0.0         # functionalize + partition + emit on graph cache misses
     fallback_ops: Counter = field(default_factory=Counter)      # ATen op name -> eager runs
-    library_ops: Counter = field(default_factory=Counter)       # matmuls/convs (cuBLAS/cuDNN) and serial scatters run in torch by choice
+    # matmuls/convs (cuBLAS/cuDNN) and serial scatters run in torch by choice
+    library_ops: Counter = field(default_factory=Counter)
     compile_failures: Counter = field(default_factory=Counter)  # reason -> count
     recompiles: list = field(default_factory=list)              # why a seen graph was planned again
     fallback_sources: dict = field(default_factory=dict)        # ATen op -> first user source line

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from . import files
-from .config import CONFIG
+from .config import CONFIG, applies
 from .diagnostics import log, warn_once
 from .frontend.lazy_tensor import StrictModeError
 from .frontend.replay import Program, functional_graph
@@ -73,7 +73,7 @@ class CompiledCluster(torch.nn.Module):
     def forward(self, *inputs):
         if self.eager_faster:
             return self.fallback(*inputs)
-        measuring = not self.decided and CONFIG.measure in ("all", self.device.type)
+        measuring = not self.decided and applies(CONFIG.measure, self.device)
         if measuring and self.calls == 0 and self.recall(inputs):
             return self.fallback(*inputs)    # eager measured faster by an earlier process
         results = self.run_compiled(inputs)
@@ -403,7 +403,7 @@ def plan_graph(gm: torch.fx.GraphModule, device: torch.device, sources: list[str
     `meta["pydisc_entry"]`); `step_id` names the dump files."""
     from .cluster import (add_torch_mlir_regions, fuse_attention, is_host_scalar, pad_unaligned_matmuls,
                           partition_graph, partition_regions)
-    from .cluster.value_checks import checks_values, guard_values
+    from .cluster.value_checks import guard_values
     from .exec import compile_module
     from .exec.compiler import precompile
     from .frontend.emit import emit_cluster, unsupported_reason
@@ -412,7 +412,7 @@ def plan_graph(gm: torch.fx.GraphModule, device: torch.device, sources: list[str
     _dump("step%d_graph.txt" % step_id, gm.code)
     if CONFIG.disable:
         return StepPlan(gm, Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function"))
-    value_check = guard_values(gm, flag=checks_values(device, CONFIG.value_checks))
+    value_check = guard_values(gm, flag=applies(CONFIG.value_checks, device))
     attentions = fuse_attention(gm, device)
     padded = pad_unaligned_matmuls(gm, device)
     part = partition_graph(gm, device, unsupported_reason, CONFIG.min_cluster_ops)

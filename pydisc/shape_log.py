@@ -2,7 +2,8 @@
 
 `PYDISC_SHAPE_LOG=path` appends one JSON line per newly compiled cluster (its device kind, MLIR text
 and, for a region of the torch-mlir route, `"input_type": "torch"`); `python -m pydisc.precompile path`
-compiles them all into the persistent cache (docs/cache.md), so a job restarted on a fresh machine or with an empty cache starts hot.
+compiles them all into the persistent cache (docs/cache.md), so a job restarted on a fresh machine or with
+an empty cache starts hot.
 """
 from __future__ import annotations
 

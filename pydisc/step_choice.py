@@ -46,7 +46,7 @@ import time
 
 import torch
 
-from .config import CONFIG
+from .config import CONFIG, applies
 from .diagnostics import log, warn_once
 from .exec import graphs
 from .frontend.lazy_tensor import RECORDER
@@ -134,7 +134,7 @@ def after_mark_step(key, cached: bool, device: torch.device | None, recorded: fl
             _watch(s, key if cached else None)
         return
     if recorded and s.recorded_steps < PROBE_AFTER and s.phase == "idle" and device is not None and \
-            CONFIG.step_choice in ("all", device.type) and not distributed():
+            applies(CONFIG.step_choice, device) and not distributed():
         s.recorded_steps += 1
         if s.recorded_steps >= PROBE_AFTER:
             _start_probe(s, recorded, device)
@@ -147,7 +147,7 @@ def after_mark_step(key, cached: bool, device: torch.device | None, recorded: fl
                 s.phase = "compiled"
                 RECORDER.passthrough = False
         return
-    if key is None or not cached or device is None or CONFIG.step_choice not in ("all", device.type) or \
+    if key is None or not cached or device is None or not applies(CONFIG.step_choice, device) or \
             distributed():
         # a step that planned and compiled, or one not measurable
         if s.times["eager"]:

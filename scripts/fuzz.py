@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "robustness"))
 
 import warnings  # noqa: E402
 
-from hypothesis import HealthCheck, Phase, given, settings, strategies as st  # noqa: E402
+from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 
 import fuzz_graphs  # noqa: E402
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What to run on the GPU machine (see ../shared/device/README.md for carrying IREE there):
+# What to run on a GPU machine with pydisc installed (IREE's wheels and torch with CUDA):
 #   scripts/gpu_check.sh OUTDIR [NAME ...]
 # NAMEs (default: all, about 20 minutes): cuda_tests bench_direct torch_mlir_route long_run mnist bert_mlm
 # gpt_char resnet inference mnist_iree bert_mlm_iree. Each runs with a time limit, its log in OUTDIR/NAME.log, a line in

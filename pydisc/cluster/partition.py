@@ -53,7 +53,7 @@ _FREE_OPS = {operator.getitem, aten.view.default, aten._unsafe_view.default, ate
 _TRANSPOSES = {aten.permute.default, aten.transpose.int, aten.t.default}
 
 # Ops that torch's libraries run several times faster than IREE's CUDA code (cuBLAS matmuls at
-# 715-794 TFLOP/s against IREE's 104-137 in bf16, ../shared/device/README.md): on a GPU they stay
+# 715-794 TFLOP/s against IREE's 104-137 in bf16, measured on an H200): on a GPU they stay
 # between the clusters, which fuse the memory-bound ops around them.
 # Softmax and log-softmax and their gradients: torch's fused CUDA kernels read each row once, where
 # IREE's code for the decomposition (max, exp and sum, normalise) ran far slower on the H200: GPT-2's

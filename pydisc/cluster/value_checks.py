@@ -25,13 +25,9 @@ import torch
 
 from .fx_edit import new_node
 
-__all__ = ["guard_values", "checks_values"]
+__all__ = ["guard_values"]
 
 aten = torch.ops.aten
-
-
-def checks_values(device: torch.device, scope: str) -> bool:
-    return scope in ("all", device.type)
 
 
 def _dim_size(tensor: torch.fx.Node, dim: int) -> int | None:

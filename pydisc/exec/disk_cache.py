@@ -26,12 +26,12 @@ import json
 import os
 import platform
 import stat
-import sys
 import tempfile
 import time
 import warnings
 from dataclasses import dataclass
 
+from .._version import __version__
 from ..config import CONFIG
 from ..metrics import METRICS, METRICS_LOCK
 from .errors import CacheDirError, CacheWarning
@@ -58,9 +58,6 @@ _TEMP_PREFIX = ".tmp-"
 _LOCK_PREFIX = ".lock-"
 _STALE_TEMP_SECONDS = 3600  # a temp file (or lock file) this old was left by a process that died mid-write
 _KEY_FORMAT = "pydisc-vmfb-cache-1"
-# pydisc.__version__ is read from the loaded package when possible (exec must not import pydisc's top
-# level); this is the last resort and should follow pyproject.toml.
-_PYDISC_VERSION_FALLBACK = "0.1.0"
 _MB = 1024 * 1024
 
 _WARNED: set[str] = set()
@@ -350,14 +347,7 @@ def _iree_version(package: str, distribution: str) -> str:
 
 
 def _pydisc_version() -> str:
-    # Keys are made at compile time, long after `import pydisc` finished: read the attribute, no import.
-    version = getattr(sys.modules.get("pydisc"), "__version__", None)
-    if version:
-        return version
-    try:
-        return importlib.metadata.version("pydisc")
-    except importlib.metadata.PackageNotFoundError:
-        return _PYDISC_VERSION_FALLBACK
+    return __version__
 
 
 @functools.cache

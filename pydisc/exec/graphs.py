@@ -239,15 +239,15 @@ def _end_generator_capture(device: torch.device) -> None:
 
 
 def _not_capturable(runner, device: torch.device) -> str | None:
-    """Why `runner` (a plan's graph module) cannot be replayed from a CUDA graph, or None."""
-    from ..plan import CompiledCluster
-
+    """Why `runner` (a plan's graph module) cannot be replayed from a CUDA graph, or None. A compiled
+    cluster is a submodule holding its loaded module in `compiled` (CompiledModule or DirectModule)."""
     if CONFIG.check_every:
         return "PYDISC_CHECK compares with eager on the host"
     if not isinstance(runner, torch.fx.GraphModule):
         return "the step runs op by op"
     for module in runner.modules():
-        if isinstance(module, CompiledCluster) and not getattr(module.compiled, "on_torch_stream", False):
+        compiled = getattr(module, "compiled", None)
+        if compiled is not None and not getattr(compiled, "on_torch_stream", False):
             return "cluster %s runs through IREE's runtime" % module.name
         if isinstance(module, torch.fx.GraphModule):
             for node in module.graph.nodes:

@@ -32,7 +32,7 @@ class CompiledModule:
 
     __slots__ = (
         "name", "device", "vmfb", "staged_outputs",
-        "_session", "_context", "_function", "_import", "_import_output", "_cuda_index",
+        "_session", "_context", "_function", "_import", "_import_output", "_cuda_index", "_on_cuda",
     )
 
     def __init__(self, vmfb: bytes, session: DeviceSession, name: str) -> None:
@@ -49,6 +49,7 @@ class CompiledModule:
         self.vmfb = vmfb
         self._session = session
         self._cuda_index = session.device.index if session.is_cuda else None
+        self._on_cuda = session.is_cuda
         with cuda_context(session.device):  # executables are loaded into the current CUDA context
             self._context = ireert.VmContext(instance, modules=[session.hal_module, vm_module])
         self._function = function
@@ -96,15 +97,23 @@ class CompiledModule:
         imp = self._import
         args = ireert.VmVariantList(len(inputs) + len(outputs))
         out_ptrs = {o.untyped_storage().data_ptr() for o in outputs if o.numel()}
+        on_cuda = self._on_cuda
+        copied = False
         for t in inputs:
             if type(t) is int:          # an `index` argument (a dynamic size)
                 args.push_int(t)
                 continue
+            if t.is_cuda is not on_cuda:
+                # a host tensor in a CUDA module (a 0-d CPU tensor, which torch's CUDA ops read as a
+                # scalar): imported as is, IREE's kernels would dereference a host address
+                t = t.to(self.device)
+                copied = True
             # is_dense inlined (hot path); for a dense input data_ptr is its storage's base pointer.
             if not (t.is_contiguous() and t.storage_offset() == 0 and (ptr := t.data_ptr()) % ALIGNMENT == 0) or (
                 ptr in out_ptrs and t.numel()
             ):
                 t = dense_copy(t)  # IREE needs dense memory, and an input must not share an output's memory
+                copied = True
             args.push_ref(imp(to_dlpack(t)))
         copy_back: list = []
         staged = self.staged_outputs
@@ -122,6 +131,10 @@ class CompiledModule:
                 copy_back.append(view)
                 continue
             args.push_ref(imp(to_dlpack(o)))
+        if copied and self._cuda_index is not None:
+            # the copies above are queued on torch's stream, which IREE's own stream does not wait for
+            # (`run` synchronised before they were made): without this IREE can read them unfinished
+            torch.cuda.current_stream(self._cuda_index).synchronize()
         self._context.invoke(self._function, args, ireert.VmVariantList(len(outputs)))
         for c in copy_back:
             c.copy_back()

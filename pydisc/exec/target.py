@@ -43,7 +43,7 @@ CPU_TARGET = Target(
     driver=CPU_DRIVER,
 )
 
-# sm_80 PTX, JIT-compiled by the driver on newer GPUs: IREE 3.13 has no Hopper entry (see IREE_NOTES.md).
+# sm_80 PTX, JIT-compiled by the driver on newer GPUs: IREE 3.13 has no Hopper (sm_90) target.
 CUDA_TARGET = Target(
     name="cuda",
     flags=("--iree-hal-target-device=cuda", "--iree-cuda-target=sm_80", *_COMMON_FLAGS),

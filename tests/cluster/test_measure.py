@@ -337,7 +337,6 @@ def test_released_steps_pass_inputs_through_untouched(step_choice_cpu, monkeypat
     # once steps run eagerly, the module's input hook and pydisc.to_lazy hand over the very objects they
     # were given (a pytree rebuild cost 75 us of a 370 us MLP step; a lazy input would send the ops that
     # read it through pydisc) and mark_step() with nothing recorded is a no-op
-    from pydisc import step as pstep
     from pydisc.frontend.lazy_tensor import RECORDER
     from pydisc.frontend.release import release_all
 

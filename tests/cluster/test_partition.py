@@ -129,7 +129,6 @@ def _chain_graph(n: int) -> torch.fx.GraphModule:
 
 
 def test_a_large_graph_partitions_in_linear_time():
-    x = torch.randn(3)
     timings = {}
     for n in (2500, 10_000):
         gm = _chain_graph(n)

@@ -26,8 +26,8 @@ import pydisc  # noqa: E402
 import pydisc.distributed  # noqa: E402
 
 STEPS = 5
-METRIC_KEYS = ("compile_seconds", "plan_seconds", "compiles", "cache_hits", "disk_cache_hits", "clusters", "mark_steps", "steps", "graph_cache_hits",
-               "graph_cache_misses", "materializations", "fallback_ops", "collectives")
+METRIC_KEYS = ("compile_seconds", "plan_seconds", "compiles", "cache_hits", "disk_cache_hits", "clusters", "mark_steps",
+               "steps", "graph_cache_hits", "graph_cache_misses", "materializations", "fallback_ops", "collectives")
 
 
 def make_model() -> nn.Module:

@@ -20,7 +20,7 @@ import pydisc.exec
 from conftest import check, trace
 from pydisc.config import CONFIG
 from pydisc.frontend.decompositions import DECOMPOSITIONS
-from pydisc.frontend.emit import LoweringError, TensorSpec, emit_cluster, unsupported_reason
+from pydisc.frontend.emit import TensorSpec, emit_cluster, unsupported_reason
 from pydisc.frontend.lowering.symbolic import reshape_groups
 from pydisc.metrics import METRICS
 from pydisc.plan import CompiledCluster, StepPlan, plan_graph
@@ -145,7 +145,8 @@ def test_dynamic_emission_reads_sizes_from_arguments() -> None:
 
 
 # ---- whole training steps -------------------------------------------------------------------------
-def _mlp_step(x: torch.Tensor, y: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor) -> list[torch.Tensor]:
+def _mlp_step(x: torch.Tensor, y: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
+              b2: torch.Tensor) -> list[torch.Tensor]:
     def loss_fn(w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor) -> torch.Tensor:
         h = F.relu(x @ w1.t() + b1)
         return F.cross_entropy(h @ w2.t() + b2, y)
@@ -361,7 +362,8 @@ def _graph_with_size_input() -> tuple[torch.fx.GraphModule, torch.Tensor, torch.
     return torch.fx.GraphModule(torch.nn.Module(), graph), x, n
 
 
-def test_size_inputs_are_dropped_and_size_outputs_computed_on_the_host(compiles: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_size_inputs_are_dropped_and_size_outputs_computed_on_the_host(compiles: list[str],
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(CONFIG, "check_every", 1)  # PYDISC_CHECK=1: each call also compared with eager
     checks, mismatches = METRICS.numerics_checks, len(METRICS.numerics_mismatches)
     gm, _, _ = _graph_with_size_input()

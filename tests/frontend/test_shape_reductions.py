@@ -28,7 +28,8 @@ def test_indexing_ops() -> None:
             torch.index_select(x, 0, idx.abs()), torch.index_select(x, 1, idx[:2]), torch.gather(x, 1, g),
             torch.nn.functional.embedding(idx.view(2, 2).abs(), w), x[idx], x[idx, idx],
             torch.zeros(4, 5).scatter(1, g, 1.5), torch.zeros(4, 5).scatter(1, g, x[:, :3]),
-            torch.zeros(4, 5).scatter_add(1, g, torch.ones(4, 3)), torch.nn.functional.one_hot(idx.abs(), 6), x.view(-1).as_strided((3, 2), (2, 5), 1),
+            torch.zeros(4, 5).scatter_add(1, g, torch.ones(4, 3)), torch.nn.functional.one_hot(idx.abs(), 6),
+            x.view(-1).as_strided((3, 2), (2, 5), 1),
         ]
 
     idx = torch.tensor([3, 0, -1, 1])

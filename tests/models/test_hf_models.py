@@ -35,20 +35,8 @@ def test_hf_model_trains_like_eager_compiled(name: str, attn: str, compile_on_se
     assert m["executions"] >= 3 and m["compile_failures"] == {}
 
 
-# Found on the H200 (torch 2.11, IREE 3.13), not fixed yet: with every cluster compiled (no measured
-# choice), two clusters of Llama's attention backward (RoPE's gathers, GQA's sum over the repeated heads)
-# give gradients up to 1e-4 off eager's where they are 1.6e-4 in size (PYDISC_CHECK=1 names them), and
-# a T5 or BART step faults with an illegal address inside a compiled cluster, under both GPU executors.
-CUDA_KNOWN = {"llama-sdpa": "a compiled cluster of Llama's attention backward is wrong on CUDA",
-              "t5-sdpa": "a compiled cluster faults (illegal address) on CUDA",
-              "bart-sdpa": "a compiled cluster faults (illegal address) on CUDA"}
-CUDA_CASES = [pytest.param(*c, marks=pytest.mark.xfail(reason=CUDA_KNOWN["%s-%s" % c], strict=True, run="%s-%s" % c
-                                                      not in ("t5-sdpa", "bart-sdpa")))
-              if "%s-%s" % c in CUDA_KNOWN else c for c in CASES]
-
-
 @pytest.mark.cuda
-@pytest.mark.parametrize("name,attn", CUDA_CASES, ids=["%s-%s" % c for c in CASES])
+@pytest.mark.parametrize("name,attn", CASES, ids=["%s-%s" % c for c in CASES])
 def test_hf_model_trains_like_eager_compiled_on_cuda(name: str, attn: str, compile_on_second_sighting) -> None:
     """On CUDA, matmuls and the fused attention kernels stay in torch (cuBLAS, flash/efficient
     attention) by design; everything around them compiles."""

@@ -69,7 +69,8 @@ def _assert_ran(run: Finished, *pieces: str) -> None:
 def test_gpt_char_trains_and_generates(finished) -> None:
     run = finished["gpt_char"]
     _assert_ran(run, "characters of Python standard-library source", "eager loss", "pydisc loss",
-                "greedy, pydisc:", "greedy, eager with the same weights:", "sampled (T=0.8, pydisc):", "check: max relative loss diff")
+                "greedy, pydisc:", "greedy, eager with the same weights:", "sampled (T=0.8, pydisc):",
+                "check: max relative loss diff")
     table = run.stdout.split("|diff|")[1].splitlines()[1:4]
     assert [line.split()[0] for line in table] == ["1", "2", "3"]
 

@@ -19,7 +19,7 @@ import pydisc.step as pstep
 from pydisc.frontend import lazy_tensor
 from pydisc.frontend.lazy_tensor import RECORDER
 
-from long_runs import footprint, rss_mb, train_mnist_mlp
+from long_runs import rss_mb, train_mnist_mlp
 
 # ------------------------------------------------------------------------------------------------
 # memory over many steps

@@ -250,13 +250,15 @@ class DirectModule:
             if type(t) is int:
                 pointers.append(0)
                 continue
-            if not (t.is_contiguous() and (ptr := t.data_ptr()) % ALIGNMENT == 0) or (
+            if not (t.is_cuda and t.is_contiguous() and (ptr := t.data_ptr()) % ALIGNMENT == 0) or (
                 t.numel() and t.untyped_storage().data_ptr() in out_ptrs
             ) or len(pointers) in written:
                 # kernels need dense, aligned memory (a misaligned address is a sticky CUDA fault), an
                 # input must not share memory with an output, and an input IREE writes in place (a
-                # scatter's operand tied to its result) is the module's own copy
-                t = dense_copy(t)
+                # scatter's operand tied to its result) is the module's own copy. A host tensor (a 0-d
+                # CPU tensor, which torch's CUDA ops read as a scalar: `ids[:, 0] = start_id` in T5's and
+                # BART's shift-right makes one) goes to the device: its address means nothing to a kernel
+                t = dense_copy(t) if t.is_cuda else t.to(self.device, memory_format=torch.contiguous_format)
                 ptr = t.data_ptr()
                 buffers[len(pointers)] = t
             pointers.append(ptr)

@@ -86,6 +86,9 @@ class FunctionBuilder(RuntimeSizes):
         # bf16 value -> the same values as float32 (`convert`): a bf16 rounding inside a cluster stays
         # in float32, because IREE 3.13 does not fuse a truncation into the ops that widen it again
         self._wide: dict[str, Value] = {}
+        # Values a gather may read as they are: arguments' views and values behind a barrier
+        # (indexing._whole: IREE 3.13's CUDA code misreads a gather of a slice fused into its load)
+        self.whole: set[str] = set()
         self._init_sizes()  # runtime sizes (sizes.py)
 
     # ---- low level -------------------------------------------------------------------------------

@@ -26,6 +26,32 @@ def _dims(values: Sequence[int]) -> str:
     return "[" + ", ".join(str(v) for v in values) + "]"
 
 
+def _whole(b: FunctionBuilder, x: Value) -> Value:
+    """`x` as a tensor of its own, never a strided view of a larger buffer, for a gather to read.
+
+    IREE 3.13's CUDA codegen vectorizes the `tensor.extract` of a gather into a `vector.gather` whose
+    offsets are linearised over the operand's own shape. Where IREE fuses a slice of a larger buffer
+    into the gather's dispatch, the operand becomes a strided view of that buffer after bufferization,
+    and the linearised offsets read other elements (rows of the slice's width, not the buffer's):
+    Llama's RoPE backward (slice_scatter's index of `x[..., 4:8]`) came out wrong on the H200 while
+    llvm-cpu was right. Behind an optimization barrier the gather reads a whole tensor; a function
+    argument, a view of one, or a value already behind a barrier is whole (no copy). Static shapes only:
+    IREE cannot follow dynamic dims through a barrier."""
+    if x.name.startswith("%arg") or x.name in b.whole or not x.type.is_static:
+        return x
+    (x,) = b.optimization_barrier(x)
+    b.whole.add(x.name)
+    return x
+
+
+def _view_of_whole(b: FunctionBuilder, source: Value, view: Value) -> Value:
+    """Mark `view` (a transpose or reshape of `source`, which `_whole` made whole) as whole too: IREE
+    folds it into the gather's indexing, and the load stays a whole tensor."""
+    if source.name in b.whole or source.name.startswith("%arg"):
+        b.whole.add(view.name)
+    return view
+
+
 def _gather(
     b: FunctionBuilder,
     x: Value,
@@ -38,6 +64,7 @@ def _gather(
     index_vector_dim: int,
     slice_sizes: Sequence[int],
 ) -> Value:
+    x = _whole(b, x)
     numbers = (
         f"#stablehlo.gather<offset_dims = {_dims(offset_dims)}, collapsed_slice_dims = {_dims(collapsed)}, "
         f"start_index_map = {_dims(start_index_map)}, index_vector_dim = {index_vector_dim}>"
@@ -130,7 +157,8 @@ def _front_indexed(b: FunctionBuilder, x: Value, indices: Sequence[Value | None]
     rest = [d for d in range(x.rank) if d not in positions]
     perm = positions + rest
     adjacent = positions == list(range(positions[0], positions[-1] + 1))
-    moved = x if perm == list(range(x.rank)) else b.transpose(x, perm)
+    x = _whole(b, x)
+    moved = x if perm == list(range(x.rank)) else _view_of_whole(b, x, b.transpose(x, perm))
     return moved, [indices[d] for d in positions], perm, positions[0] if adjacent else 0  # type: ignore[misc]
 
 
@@ -432,13 +460,15 @@ def _index_put_check(node: torch.fx.Node) -> str | None:
 
 
 @lowering(aten.as_strided.default, aten.as_strided_copy.default)
-def _as_strided(ctx: LoweringContext, x: Value, size: Sequence[int], stride: Sequence[int], storage_offset: int | None = None) -> Value:
+def _as_strided(ctx: LoweringContext, x: Value, size: Sequence[int], stride: Sequence[int],
+                storage_offset: int | None = None) -> Value:
     """A strided view of a contiguous tensor: gather the flat positions offset + sum(i_d * stride_d)."""
     b = ctx.builder
     shape = ctx.out_spec.shape
     if ctx.out_spec.numel == 0:
         return b.full(shape, 0, x.dtype)
-    flat = b.reshape(x, (x.type.numel,))
+    x = _whole(b, x)
+    flat = _view_of_whole(b, x, b.reshape(x, (x.type.numel,)))
     return _gather(
         b, flat, b.reshape(_strided_positions(b, shape, stride, storage_offset), (*shape, 1)), ctx.out_spec,
         offset_dims=[], collapsed=[0], start_index_map=[0], index_vector_dim=len(shape), slice_sizes=[1],

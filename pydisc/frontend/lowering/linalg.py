@@ -1,5 +1,5 @@
 """Matrix products. Low-precision products accumulate in float32 (`dot_general` to f32, then convert):
-IREE's CUDA backend cannot compile bf16 x bf16 -> bf16 (see IREE_NOTES.md), and torch accumulates in
+IREE 3.13's CUDA backend cannot compile bf16 x bf16 -> bf16, and torch accumulates in
 f32 too."""
 from __future__ import annotations
 

@@ -200,7 +200,8 @@ def _conv_backward_check(node: torch.fx.Node) -> str | None:
 
 
 # ---- pooling ------------------------------------------------------------------------------------
-def _pool_params(x: Value, kernel: Sequence[int], stride: Sequence[int], padding: Sequence[int] | int, dilation: Sequence[int] | int = 1, spatial: int = 2) -> tuple[list[int], list[int], list[int], list[int]]:
+def _pool_params(x: Value, kernel: Sequence[int], stride: Sequence[int], padding: Sequence[int] | int,
+                 dilation: Sequence[int] | int = 1, spatial: int = 2) -> tuple[list[int], list[int], list[int], list[int]]:
     kernel = _expand(kernel, spatial)
     stride = _expand(stride, spatial) if stride else kernel
     padding = _expand([padding] if isinstance(padding, int) else padding, spatial)
@@ -243,8 +244,10 @@ def _max_pool2d_with_indices(
             strides = [1] * x.rank
             strides[lead], strides[lead + 1] = stride[0], stride[1]
             candidate = b.slice(padded, starts, limits, strides)
-            r = b.binary("add", b.binary("multiply", rows, b.full(out.shape, stride[0], torch.int64)), b.full(out.shape, i * dilation[0] - padding[0], torch.int64))
-            c = b.binary("add", b.binary("multiply", cols, b.full(out.shape, stride[1], torch.int64)), b.full(out.shape, j * dilation[1] - padding[1], torch.int64))
+            r = b.binary("add", b.binary("multiply", rows, b.full(out.shape, stride[0], torch.int64)),
+                         b.full(out.shape, i * dilation[0] - padding[0], torch.int64))
+            c = b.binary("add", b.binary("multiply", cols, b.full(out.shape, stride[1], torch.int64)),
+                         b.full(out.shape, j * dilation[1] - padding[1], torch.int64))
             flat = b.binary("add", b.binary("multiply", r, b.full(out.shape, w, torch.int64)), c)
             if best is None:
                 best, index = candidate, flat
@@ -292,8 +295,10 @@ def _max_pool2d_backward_by_windows(
     total = None
     for i in range(kernel[0]):
         for j in range(kernel[1]):
-            r = b.binary("add", b.binary("multiply", rows, b.full(out.shape, stride[0], torch.int64)), b.full(out.shape, i * dilation[0] - padding[0], torch.int64))
-            c = b.binary("add", b.binary("multiply", cols, b.full(out.shape, stride[1], torch.int64)), b.full(out.shape, j * dilation[1] - padding[1], torch.int64))
+            r = b.binary("add", b.binary("multiply", rows, b.full(out.shape, stride[0], torch.int64)),
+                         b.full(out.shape, i * dilation[0] - padding[0], torch.int64))
+            c = b.binary("add", b.binary("multiply", cols, b.full(out.shape, stride[1], torch.int64)),
+                         b.full(out.shape, j * dilation[1] - padding[1], torch.int64))
             flat = b.binary("add", b.binary("multiply", r, b.full(out.shape, w, torch.int64)), c)
             picked = b.select(b.compare("EQ", indices, flat), grad, zeros)
             low = [0] * lead + [i * dilation[0], j * dilation[1]]

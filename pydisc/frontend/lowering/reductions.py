@@ -224,21 +224,24 @@ def _variance(b: FunctionBuilder, x: Value, dims: list[int], correction: float, 
 
 
 @lowering(prims.var.default, dynamic=True)
-def _prims_var(ctx: LoweringContext, x: Value, dims: Sequence[int] | None, correction: float = 1, *, output_dtype: torch.dtype | None = None) -> Value:
+def _prims_var(ctx: LoweringContext, x: Value, dims: Sequence[int] | None, correction: float = 1, *,
+               output_dtype: torch.dtype | None = None) -> Value:
     b = ctx.builder
     var, _ = _variance(b, x, reduce_dims(x, dims), correction, ctx.out_dtype)
     return b.reshape(b.convert(var, ctx.out_dtype), ctx.out_spec.shape)
 
 
 @lowering(aten.var.correction, dynamic=True)
-def _var(ctx: LoweringContext, x: Value, dim: Sequence[int] | None = None, *, correction: float | None = None, keepdim: bool = False) -> Value:
+def _var(ctx: LoweringContext, x: Value, dim: Sequence[int] | None = None, *, correction: float | None = None,
+         keepdim: bool = False) -> Value:
     b = ctx.builder
     var, _ = _variance(b, x, reduce_dims(x, dim), 1 if correction is None else correction, ctx.out_dtype)
     return b.reshape(b.convert(var, ctx.out_dtype), ctx.out_spec.shape)
 
 
 @lowering(aten.var_mean.correction, dynamic=True)
-def _var_mean(ctx: LoweringContext, x: Value, dim: Sequence[int] | None = None, *, correction: float | None = None, keepdim: bool = False) -> tuple[Value, Value]:
+def _var_mean(ctx: LoweringContext, x: Value, dim: Sequence[int] | None = None, *, correction: float | None = None,
+              keepdim: bool = False) -> tuple[Value, Value]:
     b = ctx.builder
     var, mean = _variance(b, x, reduce_dims(x, dim), 1 if correction is None else correction, ctx.out_dtype)
     return (

@@ -20,7 +20,7 @@ import torch
 import torch._prims  # noqa: F401  (registers the prims ops some decompositions emit)
 from torch._ops import OpOverload
 
-from pydisc.frontend.lowering.builder import FunctionBuilder, TensorSpec, Value
+from pydisc.frontend.lowering.builder import FunctionBuilder, TensorSpec
 from pydisc.frontend.lowering.symbolic import size_of
 
 __all__ = [

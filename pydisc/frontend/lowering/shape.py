@@ -143,7 +143,8 @@ def _known_le(a: Size, b: Size) -> bool:
 
 
 @lowering(aten.slice.Tensor, aten.slice_copy.Tensor, dynamic=True)
-def _slice(ctx: LoweringContext, x: Value, dim: int = 0, start: Size | None = None, end: Size | None = None, step: int = 1) -> Value:
+def _slice(ctx: LoweringContext, x: Value, dim: int = 0, start: Size | None = None, end: Size | None = None,
+           step: int = 1) -> Value:
     dim = normalize_dim(dim, x.rank)
     lo, hi = _slice_bounds(x.shape[dim], start, end)
     starts, limits, strides = [0] * x.rank, list(x.shape), [1] * x.rank

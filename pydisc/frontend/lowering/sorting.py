@@ -50,7 +50,8 @@ def _sort(ctx: LoweringContext, x: Value, *args: object, **kwargs: object) -> tu
 
 
 @lowering(aten.topk.default)
-def _topk(ctx: LoweringContext, x: Value, k: int, dim: int = -1, largest: bool = True, sorted: bool = True) -> tuple[Value, Value]:
+def _topk(ctx: LoweringContext, x: Value, k: int, dim: int = -1, largest: bool = True,
+          sorted: bool = True) -> tuple[Value, Value]:
     b = ctx.builder
     if x.rank == 0:
         return x, b.full((), 0, torch.int64)
