@@ -166,6 +166,9 @@ class Workload:
     bytes_moved: Callable[[tuple], int] | None = None   # memory-bound workloads: minimal traffic per step
     varlen: bool = False
     notes: list = field(default_factory=list)
+    # torch.compile compiles `model.forward` rather than wrapping the module: HF's `generate()` calls the
+    # module's own forward, which a wrapper never sees
+    compile_forward: bool = False
 
 
 def _images(shape, classes):
@@ -195,6 +198,55 @@ def _classify(model, batch):
 def _lm(model, batch):
     x, y = batch
     return F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+
+
+def _hf_gpt2(dim: int, layers: int, heads: int, vocab: int, positions: int):
+    """transformers' GPT2LMHeadModel, default attention (sdpa) and dropout, random weights."""
+    import transformers
+    from transformers import GPT2Config, GPT2LMHeadModel
+    transformers.logging.set_verbosity_error()
+    return GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=dim, n_layer=layers,
+                                      n_head=heads, bos_token_id=0, eos_token_id=1))
+
+
+def _hf_llama(dim: int, layers: int, heads: int, kv_heads: int, vocab: int, positions: int):
+    """transformers' LlamaForCausalLM (RoPE, grouped-query attention), random weights."""
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM
+    transformers.logging.set_verbosity_error()
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=dim, intermediate_size=int(2.6875 * dim),
+                                        num_hidden_layers=layers, num_attention_heads=heads,
+                                        num_key_value_heads=kv_heads, max_position_embeddings=positions,
+                                        bos_token_id=0, eos_token_id=1, pad_token_id=2))
+
+
+def _hf_lm(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(input_ids=x).logits.flatten(0, 1).float(), y.flatten())
+
+
+def _generate(tokens: int):
+    def forward(model, batch):
+        return model.generate(batch[0], max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                              pad_token_id=2)
+    return forward
+
+
+def _decode(tokens: int):
+    """A hand-written greedy loop over HF's KV cache: the prompt, then one token per forward and one
+    `mark_step()` per token for pydisc (a lazy model's forward takes lazy inputs)."""
+    def forward(model, batch):
+        ids, past = batch[0], None
+        lazy = pydisc.is_lazy(next(model.parameters()))
+        for _ in range(tokens):
+            out = model(input_ids=ids if past is None else ids[:, -1:], past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            if lazy:
+                pydisc.mark_step()
+            ids = torch.cat([ids, token.to(ids.device)], 1)
+        return ids[:, -1].float()
+    return forward
 
 
 def workloads(tiny: bool, varlen_lengths: int) -> dict[str, Workload]:
@@ -229,6 +281,20 @@ def workloads(tiny: bool, varlen_lengths: int) -> dict[str, Workload]:
         Workload("gpt2_train", "GPT-2-small decoder training, bf16 autocast, batch %d seq %d, AdamW" % (s(16, 2), s(1024, 64)),
                  lambda: Transformer(gpt["vocab"], 1024, gpt["dim"], gpt["heads"], gpt["layers"], True),
                  _tokens(s(16, 2), [s(1024, 64)] * 2, gpt["vocab"]), _lm, optimizer=adamw, autocast=torch.bfloat16),
+        Workload("hf_gpt2_train", "HF GPT2LMHeadModel (GPT-2-small config, sdpa, dropout 0.1), bf16 autocast, "
+                 "batch %d seq %d, AdamW" % (s(8, 2), s(512, 32)),
+                 lambda: _hf_gpt2(gpt["dim"], gpt["layers"], gpt["heads"], gpt["vocab"], 1024),
+                 _tokens(s(8, 2), [s(512, 32)] * 2, gpt["vocab"]), _hf_lm, optimizer=adamw, autocast=torch.bfloat16),
+        Workload("hf_gpt2_generate", "HF GPT2LMHeadModel (GPT-2-small config), bf16, generate() %d new tokens "
+                 "greedy, batch 1, prompt 16" % s(128, 8),
+                 lambda: _hf_gpt2(gpt["dim"], gpt["layers"], gpt["heads"], gpt["vocab"], 1024).eval(),
+                 _tokens(1, [16] * 2, gpt["vocab"]), forward=_generate(s(128, 8)), model_dtype=torch.bfloat16,
+                 compile_forward=True),
+        Workload("llama_decode", "HF LlamaForCausalLM (dim %d, %d layers, GQA 16/4 heads), bf16, KV-cache decode "
+                 "loop %d tokens, batch 1" % (s(1024, 64), s(8, 2), s(128, 8)),
+                 lambda: _hf_llama(s(1024, 64), s(8, 2), s(16, 4), s(4, 2), s(32000, 512), 2048).eval(),
+                 _tokens(1, [16] * 2, s(32000, 512)), forward=_decode(s(128, 8)), model_dtype=torch.bfloat16,
+                 compile_forward=True),
         Workload("chain", "LayerNorm+GELU+residual x4, %dx%d f32, inference" % (chain_rows, chain_dim),
                  lambda: Chain(chain_dim, 4), lambda device, seed: [(torch.randn(chain_rows, chain_dim, device=device),)] * 2,
                  forward=lambda m, b: m(b[0]), bytes_moved=lambda b: 2 * b[0].numel() * b[0].element_size()),
@@ -252,7 +318,11 @@ class Mode:
         if name == "pydisc":
             model = pydisc.lazy(model, device=device)
         self.model = model
-        self.run_model = torch.compile(model, dynamic=False if w.varlen else None) if name == "torch.compile" else model
+        self.run_model = model
+        if name == "torch.compile" and w.compile_forward:
+            model.forward = torch.compile(model.forward)
+        elif name == "torch.compile":
+            self.run_model = torch.compile(model, dynamic=False if w.varlen else None)
         self.opt = w.optimizer(model.parameters()) if w.loss is not None else None
         self.last = None
         self.record_seconds = 0.0

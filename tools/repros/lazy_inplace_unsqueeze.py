@@ -2,7 +2,8 @@
 metadata change) on lazy tensors; the lazy tensor keeps its old shape, the next op sees (1, 2, 3) where
 eager has (1, 2, 3, 1), and pydisc raises where eager does not:
 RuntimeError: The size of tensor a (2) must match the size of tensor b (3) at non-singleton dimension 2"""
-import torch, pydisc
+import torch
+import pydisc
 aten = torch.ops.aten
 x, w, b = torch.randn(1, 6, 3), torch.randn(6), torch.randn(6)
 eager = aten.native_group_norm(x, w, b, 1, 6, 3, 2, 0.5)

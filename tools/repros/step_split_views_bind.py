@@ -2,7 +2,8 @@
 step: RuntimeError: setStorage: sizes [3, 5, 5], strides [25, 5, 1], storage offset 25, ... out of
 bounds for storage. Each compiled result is bound as its own small storage, while the recorded layout
 keeps the view's offset into the original storage."""
-import torch, pydisc
+import torch
+import pydisc
 x = torch.randn(7, 5, 5)
 parts = torch.split_with_sizes(pydisc.to_lazy(x.clone()).mul(2), [1, 2, 4])   # a computed (pending) input
 pydisc.mark_step()
