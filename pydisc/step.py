@@ -323,7 +323,7 @@ def _run(trace: Trace, target: LazyTensor | None) -> tuple:
         if key is not None:
             _PLANS[key] = plan
         results = program(*inputs)
-        check = None
+        check, refused = None, False
     if refused:
         # eager raises here, with its own exception and message; nothing of the step is bound
         results = concrete_program(trace, executed, outputs)(*inputs)

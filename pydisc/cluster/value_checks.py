@@ -38,10 +38,14 @@ def _dim_size(tensor: torch.fx.Node, dim: int) -> int | None:
     return size if type(size) is int else None     # symbolic sizes: not checked (docs/robustness.md)
 
 
-def _is_index(x) -> bool:
+def _dtype(x) -> torch.dtype | None:
     val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
-    return isinstance(val, torch.Tensor) and val.dtype in (torch.int64, torch.int32, torch.int16, torch.int8,
-                                                           torch.uint8)
+    return val.dtype if isinstance(val, torch.Tensor) else None
+
+
+def _is_index(x) -> bool:
+    """An index tensor (int64 or int32; a uint8 or bool index of `x[idx]` is a mask, not checked here)."""
+    return _dtype(x) in (torch.int64, torch.int32)
 
 
 def _bounds_of(node: torch.fx.Node) -> list[tuple[torch.fx.Node, int, int]]:
@@ -70,10 +74,9 @@ def _divisor_of(node: torch.fx.Node) -> torch.fx.Node | None:
         return None
     if node.target is aten.div.Tensor_mode and node.kwargs.get("rounding_mode") is None:
         return None                    # true division: a float result
-    divisor, val = node.args[1], node.meta.get("val")
-    if not (_is_index(divisor) and isinstance(val, torch.Tensor) and not val.dtype.is_floating_point):
-        return None
-    return divisor
+    divisor, result = node.args[1], _dtype(node)
+    integer = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+    return divisor if _dtype(divisor) in integer and result in integer else None
 
 
 _DIM_INDEX_OPS = {

@@ -582,6 +582,7 @@ def test_mixed_dtypes_eager_refuses_raise_its_error_at_the_op(name):
 
 VALUE_ERRORS = {
     "floor_divide": lambda a, w, i, t: a // t,
+    "floor_divide_int8": lambda a, w, i, t: a.to(torch.int8) // t.to(torch.int8),
     "remainder": lambda a, w, i, t: a % t,
     "fmod": lambda a, w, i, t: torch.fmod(a, t),
     "trunc_divide": lambda a, w, i, t: torch.div(a, t, rounding_mode="trunc"),
