@@ -220,8 +220,8 @@ def _dtype_checked(then=None):
             key = (func, tuple(t.dtype for t in tensors), tensors[0].device.type)
             if key not in verdicts:
                 verdicts[key] = _eager_verdict(func, args, kwargs)
-            if verdicts[key] is not None:
-                raise verdicts[key]
+            if verdicts[key] is not None:     # (each raise with a traceback of its own)
+                raise verdicts[key].with_traceback(None)
         return then(func, args, kwargs) if then is not None else NotImplemented
     return rewrite
 
