@@ -17,8 +17,11 @@ from typing import Any, Callable
 import torch
 
 from . import files
+from .cluster.value_checks import guard_values
 from .config import CONFIG, applies
 from .diagnostics import log, warn_once
+from .exec.compiler import forget_module
+from .exec.errors import is_out_of_memory
 from .frontend.lazy_tensor import StrictModeError
 from .frontend.replay import Program, functional_graph
 from .metrics import METRICS
@@ -97,8 +100,6 @@ class CompiledCluster(torch.nn.Module):
                 arguments, outs, results = self.prepare(inputs)
                 self.compiled.run(arguments, outs)
         except Exception as exc:
-            from .exec.compiler import forget_module
-            from .exec.errors import is_out_of_memory
             if isinstance(exc, RuntimeError) and is_out_of_memory(exc):
                 raise self.out_of_memory(exc) from exc
             forget_module(self.compiled)   # neither this process nor the next loads these bytes again
@@ -403,7 +404,6 @@ def plan_graph(gm: torch.fx.GraphModule, device: torch.device, sources: list[str
     `meta["pydisc_entry"]`); `step_id` names the dump files."""
     from .cluster import (add_torch_mlir_regions, fuse_attention, is_host_scalar, pad_unaligned_matmuls,
                           partition_graph, partition_regions)
-    from .cluster.value_checks import guard_values
     from .exec import compile_module
     from .exec.compiler import precompile
     from .frontend.emit import emit_cluster, unsupported_reason
