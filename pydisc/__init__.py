@@ -12,6 +12,8 @@ import gc
 from .diagnostics import PydiscWarning
 from . import background, step_choice
 from .dynamic import mark_dynamic
+from .config import CONFIG
+from .frontend import fast
 from .frontend.collectives import install_collectives
 from .frontend.lazy_tensor import RECORDER, LazyTensor, StrictModeError, is_lazy
 from .frontend.lazy_tensor import to_lazy as _to_lazy
@@ -29,6 +31,8 @@ __all__ = ["lazy", "mark_step", "mark_dynamic", "is_lazy", "to_lazy", "metrics",
 
 install_rewrites()
 install_collectives()     # after the rewrites: it wraps any rewrite of copy_
+if CONFIG.fast_record:
+    fast.install()
 install_optimizer_hook()
 
 

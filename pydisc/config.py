@@ -88,6 +88,9 @@ class Config:
     # where eager raises, and is run again eagerly (raising eager's error) when one is
     # (pydisc/cluster/value_checks.py): "cpu" (default), "cuda", "all" or "off"
     value_checks: str = _scope("PYDISC_VALUE_CHECKS", "cpu")
+    # forwards that record gradients are recorded as the calls user code makes and differentiated when
+    # the step is planned (pydisc/frontend/fast.py); 0 records every ATen op through the dispatcher
+    fast_record: bool = _choice("PYDISC_FAST_RECORD", "0", ("0", "1")) == "1"
 
 
 CONFIG = Config()

@@ -23,6 +23,7 @@ import sympy
 import torch
 
 from .config import CONFIG
+from .frontend.fast import set_gate as set_fast_gate
 from .frontend.lazy_tensor import RECORDER, _opinfo
 from .frontend.replay import Program
 from .frontend.symbolic import SymExpr
@@ -114,6 +115,8 @@ def _dynamic_dims(key, real: torch.Tensor) -> tuple:
 
 
 RECORDER.dims_of = dims_of
+# a step recorded at __torch_function__ cannot be matched to a template: none while dims are dynamic
+set_fast_gate(lambda: not DYNAMIC.flagged)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -33,6 +33,10 @@ class Metrics:
     materializations: int = 0         # values read before mark_step (.item(), print, ...)
     reads_run_eagerly: int = 0        # of those, reads whose few ops torch ran, with no plan of their own
     recorded_ops: int = 0             # ATen ops recorded by the lazy dispatcher
+    fast_entries: int = 0             # calls recorded at __torch_function__ (PYDISC_FAST_RECORD)
+    fast_segments: int = 0            # ... forwards (with their backward) recorded that way, as one entry each
+    fast_reads: int = 0               # ... values of theirs read before mark_step, computed apart by torch
+    fast_demotions: Counter = field(default_factory=Counter)   # reason -> segments re-recorded by the dispatcher
     compile_seconds: float = 0.0
     plan_seconds: float = 0.0         # functionalize + partition + emit on graph cache misses
     fallback_ops: Counter = field(default_factory=Counter)      # ATen op name -> eager runs

@@ -8,6 +8,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .diagnostics import warn_once
 from .frontend import inference
+from .frontend.fast import arm as arm_fast
+from .frontend.fast import installed as fast_installed
 from .frontend.lazy_tensor import RECORDER, LazyTensor, to_lazy
 from .frontend.symbolic import release_factory_mode
 
@@ -50,6 +52,8 @@ def _pre_hook(device: torch.device):
             moved = _moved(args, device), _moved(kwargs, device)
             return None if moved[0] is args and moved[1] is kwargs else moved
         inference.use_for_forward()     # F.linear and matmul recorded whole where no grad is recorded
+        if fast_installed():
+            arm_fast()                  # a forward with grad is recorded at __torch_function__
         release_factory_mode()          # (no dispatch is under way here)
         return _lazy_input(args, device), _lazy_input(kwargs, device)
     return hook

@@ -21,6 +21,7 @@ from .frontend.lazy_tensor import (PRUNE_FIRST_AT, RECORDER, LazyTensor, _flat_b
 from . import background, dynamic, optimizer_state, step_choice
 from .dynamic import Binding
 from .exec import graphs
+from .frontend import fast
 from .frontend.replay import NotDynamic, Program, concrete_program, program_from_trace, symbolic_program
 from .frontend.trace import LazyStorage, Trace
 from .metrics import METRICS
@@ -172,6 +173,8 @@ def run_pending(target: LazyTensor | None = None, reason: str = "mark_step") -> 
     step (and optimizers their eager step counters, `optimizer_state`), results of the abandoned one can
     no longer be read, and the next step starts clean."""
     with RECORDER.lock:
+        if reason == "mark_step":
+            fast.flush()        # a forward recorded at __torch_function__ with no backward
         if background.pending():
             background.collect()
         trace = RECORDER.trace

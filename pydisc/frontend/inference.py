@@ -54,6 +54,16 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
 _INSTALLED = classmethod(_torch_function)
 
 
+_PINNED = False
+
+
+def pin() -> None:
+    """The fast recorder (frontend/fast.py) owns `__torch_function__` from now on and calls this module's
+    handler itself for forwards without grad."""
+    global _PINNED
+    _PINNED = True
+
+
 def installed() -> bool:
     return LazyTensor.__dict__.get("__torch_function__") is _INSTALLED
 
@@ -61,6 +71,8 @@ def installed() -> bool:
 def use_for_forward() -> None:
     """Install the composite-op recording for a forward that runs without grad, remove it for one
     with grad (called by the lazy module's input hook)."""
+    if _PINNED:
+        return
     want = not _grad_enabled()
     if want != installed():
         if want:

@@ -130,6 +130,11 @@ class LazyTensor(torch.Tensor):
     _fake = None            # fake tensor of a symbolic step (`frontend/symbolic.py`)
     _fake_sid: int = 0      # ... and which step it belongs to
     _concrete: tuple | None = None   # this step's concrete (size, stride, offset) when sizes are symbolic
+    # A fast value (frontend/fast.py): its id in the open segment, and the segment; or, once that
+    # segment was demoted, the ATen-level tensor it stands for.
+    _fid: int | None = None
+    _fseg = None
+    _redirect = None
 
     @staticmethod
     def __new__(cls, size, stride, offset, dtype, device, storage: LazyStorage, real=None, requires_grad=False):
@@ -348,6 +353,8 @@ class Recorder:
         # in meta kernels: how long recording a step takes once its ops are all known (step_choice.py)
         self.trace_started = 0.0
         self.meta_seconds = 0.0
+        # frontend/fast.py, where installed: the device data of a fast value read before mark_step
+        self.fast_read: Callable[[LazyTensor], torch.Tensor] | None = None
 
     def new_trace(self) -> Trace:
         """A fresh pending trace. Within a step (after a read ran everything recorded so far) the
@@ -469,6 +476,9 @@ class Recorder:
         if t._epoch == trace.epoch:
             return ValueRef(t._vid)
         if t._real is None:
+            if t._fid is not None or t._redirect is not None:
+                raise RuntimeError("pydisc: a value recorded at __torch_function__ reached the dispatcher "
+                                   "directly; set PYDISC_FAST_RECORD=0 and report this")
             raise RuntimeError(ABANDONED)
         storage = t._storage
         if storage.epoch != trace.epoch:
@@ -1041,6 +1051,8 @@ def set_executor(fn: Callable[[LazyTensor | None, str], None]) -> None:
 
 def materialize(t: LazyTensor, *, reason: str = "read") -> torch.Tensor:
     """Device data of `t`, running the pending ops it needs first."""
+    if t._fid is not None or t._redirect is not None:
+        return RECORDER.fast_read(t)
     if not RECORDER.is_clean(t):
         if t._real is None and t._epoch != RECORDER.trace.epoch:
             raise RuntimeError(ABANDONED)
