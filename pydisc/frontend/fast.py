@@ -38,7 +38,7 @@ from .source import user_source
 from .symbolic import own_modes
 from .trace import LazyStorage, out_kind
 
-__all__ = ["install", "installed", "flush", "resolve", "set_gate", "FusedStep"]
+__all__ = ["install", "uninstall", "installed", "arm", "flush", "read", "resolve", "set_gate", "FusedStep"]
 
 METRICS = _metrics.METRICS
 _NO_SUBCLASS = torch._C.DisableTorchFunctionSubclass
@@ -908,5 +908,16 @@ def install() -> None:
     """Record gradient-recording forwards at `__torch_function__` from now on (PYDISC_FAST_RECORD=1)."""
     LazyTensor.__torch_function__ = _INSTALLED
     torch.autograd.Function.apply = classmethod(_apply)
-    inference.pin()
+    inference.pin(True)
     RECORDER.fast_read = read
+
+
+def uninstall() -> None:
+    """Every op through the dispatcher again (a step in progress is ended first by `flush`)."""
+    flush()
+    if inference._DISABLED is None:
+        del LazyTensor.__torch_function__
+    else:
+        LazyTensor.__torch_function__ = inference._DISABLED
+    torch.autograd.Function.apply = _ORIGINAL_APPLY
+    inference.pin(False)

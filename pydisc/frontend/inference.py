@@ -57,11 +57,11 @@ _INSTALLED = classmethod(_torch_function)
 _PINNED = False
 
 
-def pin() -> None:
-    """The fast recorder (frontend/fast.py) owns `__torch_function__` from now on and calls this module's
-    handler itself for forwards without grad."""
+def pin(pinned: bool) -> None:
+    """The fast recorder (frontend/fast.py) owns `__torch_function__` (while `pinned`) and calls this
+    module's handler itself for forwards without grad."""
     global _PINNED
-    _PINNED = True
+    _PINNED = pinned
 
 
 def installed() -> bool:

@@ -1,0 +1,223 @@
+"""The fast recorder (PYDISC_FAST_RECORD=1, frontend/fast.py): training steps recorded at
+`__torch_function__` and differentiated at plan time equal eager, and so does every step it cannot follow
+(demoted to the dispatch recorder), each cause counted."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import pydisc
+from pydisc.frontend import fast
+from pydisc.metrics import METRICS
+
+
+@pytest.fixture
+def fast_recording():
+    fast.install()
+    METRICS.reset()
+    yield
+    fast.uninstall()
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block with torch's fused attention, and a classifier head."""
+
+    def __init__(self, d: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.head = nn.Linear(d, 5)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = [y.view(b, t, self.heads, d // self.heads).transpose(1, 2) for y in (q, k, v)]
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(a)
+        x = x + self.down(F.gelu(self.up(self.ln2(x))))
+        return self.head(x.mean(dim=1))
+
+
+def _train(make, forward, steps: int = 3, opt=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), batch=None):
+    """Eager and lazy copies of one model trained side by side: (eager losses, lazy losses, models)."""
+    torch.manual_seed(0)
+    ref = make()
+    model = pydisc.lazy(copy.deepcopy(ref))
+    o_ref, o = opt(ref.parameters()), opt(model.parameters())
+    g = torch.Generator().manual_seed(1)
+    losses, lazy_losses = [], []
+    for _ in range(steps):
+        x, y = (batch or (lambda g: (torch.randn(4, 6, 16, generator=g), torch.randint(0, 5, (4,), generator=g))))(g)
+        for m, op, out in ((ref, o_ref, losses), (model, o, lazy_losses)):
+            op.zero_grad()
+            loss = forward(m, x, y)
+            op.step()
+            if m is model:
+                pydisc.mark_step()
+            out.append(loss.item())
+    return losses, lazy_losses, ref, model
+
+
+def _assert_same(ref: nn.Module, model: nn.Module, losses, lazy_losses, tol: float = 1e-5) -> None:
+    torch.testing.assert_close(torch.tensor(lazy_losses), torch.tensor(losses), rtol=tol, atol=tol)
+    for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+        torch.testing.assert_close(b.cpu(), a, rtol=tol, atol=tol, msg=name)
+
+
+def _ce(m, x, y):
+    loss = F.cross_entropy(m(x), y)
+    loss.backward()
+    return loss
+
+
+def test_block_trains_like_eager_with_few_entries(fast_recording) -> None:
+    losses, lazy_losses, ref, model = _train(Block, _ce)
+    _assert_same(ref, model, losses, lazy_losses)
+    m = pydisc.metrics()
+    assert m["fast_demotions"] == {} and m["fast_segments"] == 3, m
+    assert m["graph_cache_hits"] >= 1 and m["fallback_ops"] == {}
+    # the forward and its backward as ~25 calls; the dispatcher records ~120 ATen ops for them
+    assert m["fast_entries"] <= 3 * 30, m["fast_entries"]
+
+
+def test_fast_and_dispatch_paths_give_the_same_step(fast_recording) -> None:
+    fast_run = _train(Block, _ce, opt=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    fast.uninstall()
+    try:
+        slow_run = _train(Block, _ce, opt=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    finally:
+        fast.install()
+    torch.testing.assert_close(torch.tensor(fast_run[1]), torch.tensor(slow_run[1]), rtol=1e-6, atol=1e-6)
+    for a, b in zip(fast_run[3].state_dict().values(), slow_run[3].state_dict().values()):
+        torch.testing.assert_close(a.cpu(), b.cpu(), rtol=1e-6, atol=1e-6)
+
+
+def test_gradients_accumulate_over_micro_batches(fast_recording) -> None:
+    def two_micro_batches(m, x, y):
+        for half in (slice(0, 2), slice(2, 4)):
+            loss = F.cross_entropy(m(x[half]), y[half]) / 2
+            loss.backward()
+        return loss
+
+    losses, lazy_losses, ref, model = _train(Block, two_micro_batches)
+    _assert_same(ref, model, losses, lazy_losses)
+    assert pydisc.metrics()["fast_segments"] == 6
+
+
+def test_a_read_in_the_forward_is_computed_apart_without_demoting(fast_recording) -> None:
+    class Gated(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 5)
+
+        def forward(self, x):
+            h = self.a(x).mean(dim=1)
+            if bool((h.abs() < 1e6).all()):     # as HF's mask checks do
+                h = h * 2
+            return self.b(torch.tanh(h))
+
+    losses, lazy_losses, ref, model = _train(Gated, _ce)
+    _assert_same(ref, model, losses, lazy_losses)
+    m = pydisc.metrics()
+    assert m["fast_demotions"] == {} and m["fast_reads"] == 3, m
+
+
+def test_a_read_of_random_values_demotes_and_matches_the_step(fast_recording) -> None:
+    model = pydisc.lazy(nn.Linear(8, 8))
+    x = torch.randn(4, 8)
+    h = F.dropout(model(x), 0.5)
+    seen = h.sum().item()           # must be the values the step uses, not another draw
+    loss = h.sum()
+    loss.backward()
+    pydisc.mark_step()
+    assert loss.item() == pytest.approx(seen, rel=1e-6)
+    assert "a value read before mark_step that depends on random numbers" in pydisc.metrics()["fast_demotions"]
+
+
+class Double(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 3        # not the derivative: only autograd.Function's own backward gives this
+
+
+def _custom_function(m, x, y):
+    loss = F.cross_entropy(Double.apply(m(x)), y)
+    loss.backward()
+    return loss
+
+
+def _tensor_hook(m, x, y):
+    out = m(x)
+    out.register_hook(lambda g: g * 5)
+    loss = F.cross_entropy(out, y)
+    loss.backward()
+    return loss
+
+
+def _retained(m, x, y):
+    loss = F.cross_entropy(m(x), y)
+    loss.backward(retain_graph=True)
+    return loss
+
+
+class BatchNormed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.bn, self.out = nn.Linear(16, 8), nn.BatchNorm1d(8), nn.Linear(8, 5)
+
+    def forward(self, x):
+        return self.out(self.bn(self.lin(x).mean(dim=1)))
+
+
+@pytest.mark.parametrize("make,forward,reason", [
+    (Block, _custom_function, "autograd.Function (Double)"),
+    (Block, _tensor_hook, "tensor hooks"),
+    (Block, _retained, "backward with arguments"),
+    (BatchNormed, _ce, "a write into a tensor the step did not make"),
+], ids=["autograd-function", "tensor-hook", "retain-graph", "batch-norm-statistics"])
+def test_what_the_fast_path_cannot_follow_is_demoted_and_equals_eager(make, forward, reason, fast_recording) -> None:
+    losses, lazy_losses, ref, model = _train(make, forward)
+    _assert_same(ref, model, losses, lazy_losses)
+    assert pydisc.metrics()["fast_demotions"].get(reason) == 3, pydisc.metrics()["fast_demotions"]
+
+
+def test_eager_errors_are_raised(fast_recording) -> None:
+    model = pydisc.lazy(nn.Linear(8, 4))
+    with pytest.raises(RuntimeError, match="grad can be implicitly created only for scalar outputs"):
+        model(torch.randn(3, 8)).backward()
+    pydisc.mark_step()
+    with pytest.raises(RuntimeError, match="mat1 and mat2 shapes cannot be multiplied"):
+        model(torch.randn(3, 7))
+    pydisc.mark_step()
+    loss = model(torch.randn(3, 8)).sum()       # and the next step records fast again
+    loss.backward()
+    pydisc.mark_step()
+    assert pydisc.metrics()["fast_segments"] >= 1
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_hf_models_train_like_eager_on_the_fast_path(name: str, fast_recording, monkeypatch) -> None:
+    pytest.importorskip("transformers")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    import hf_models
+    from pydisc.config import CONFIG
+
+    monkeypatch.setattr(CONFIG, "compile_after", 2)
+    run = hf_models.train_side_by_side(name, steps=4)
+    hf_models.assert_trains_like_eager(run)
+    m = run.metrics
+    assert m["fast_demotions"] == {} and m["fast_segments"] >= 3, (m["fast_demotions"], m["fast_segments"])
+    assert m["fallback_ops"] == {} and m["plans_compiled"] == 1, (m["fallback_ops"], m["plans_compiled"])
