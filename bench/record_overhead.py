@@ -2,14 +2,16 @@
 
 For each model, one training step (forward, backward, SGD with momentum) is timed two ways on CPU:
   - pydisc: from the start of the step until just before `mark_step()` (recording only), divided by
-    the step's `recorded_ops`; `mark_step()` on the warm plan (plan cache hit) is timed on its own;
+    the step's recorded entries (ATen ops through the dispatcher, plus the calls recorded at
+    `__torch_function__` on the fast path, docs/fast_recording.md); `mark_step()` on the warm plan (plan
+    cache hit) is timed on its own; both recording paths side by side unless `--fast on|off`;
   - eager: the whole step, divided by the number of ATen ops it runs (counted once with a
     TorchDispatchMode, so the count includes the ops autograd runs in backward).
 Medians over repeats after warm-up steps (which also compile the pydisc plans); `--stat min` takes the
 fastest step instead, the better figure on a machine shared with other jobs (their load only ever adds
 time). The eager and pydisc steps alternate, so the record/eager ratio sees the same load.
 
-    python bench/record_overhead.py [--repeats 50] [--stat median|min]
+    python bench/record_overhead.py [--repeats 50] [--stat median|min] [--fast both|on|off]
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # Recording is what is timed: the measured step choice would switch these small CPU steps to eager.
 os.environ.setdefault("PYDISC_STEP_CHOICE", "off")
 import pydisc  # noqa: E402
+from pydisc.frontend import fast  # noqa: E402
 
 
 class MLP(nn.Module):
@@ -105,7 +108,10 @@ class Result:
     lookup_bind_ms: float    # mark_step minus its runner: key, plan cache lookup, binding results
 
 
-def measure(workload: Workload, repeats: int, warmup: int, stat: Callable[[list[float]], float]) -> Result:
+def measure(workload: Workload, repeats: int, warmup: int, stat: Callable[[list[float]], float],
+            fast_record: bool) -> Result:
+    if fast_record != fast.installed():
+        fast.install() if fast_record else fast.uninstall()
     torch.manual_seed(0)
     eager = workload.make_model()
     lazy = pydisc.lazy(copy.deepcopy(eager))
@@ -129,20 +135,23 @@ def measure(workload: Workload, repeats: int, warmup: int, stat: Callable[[list[
         train_step(eager, eager_opt, x, y)
         eager_s.append(time.perf_counter() - started)
 
-        ops_before = pydisc.metrics()["recorded_ops"]
+        m = pydisc.metrics()
+        ops_before = m["recorded_ops"] + m["fast_entries"]
         started = time.perf_counter()
         train_step(lazy, lazy_opt, x, y)
         recorded_at = time.perf_counter()
         pydisc.mark_step()
         mark_s.append(time.perf_counter() - recorded_at)
         record_s.append(recorded_at - started)
-        recorded.append(pydisc.metrics()["recorded_ops"] - ops_before)
+        m = pydisc.metrics()
+        recorded.append(m["recorded_ops"] + m["fast_entries"] - ops_before)
     if len(set(recorded)) != 1:
         raise RuntimeError("recorded op count changed between repeats: %s" % sorted(set(recorded)))
     if len(run_s) != repeats:
         raise RuntimeError("expected one warm plan run per step, got %d runs in %d steps" % (len(run_s), repeats))
     ms = lambda seconds: 1e3 * stat(seconds)  # noqa: E731
-    return Result(workload.name, counter.count, 1e3 * ms(eager_s) / counter.count, recorded[0],
+    name = workload.name + (", fast" if fast_record else ", dispatch")
+    return Result(name, counter.count, 1e3 * ms(eager_s) / counter.count, recorded[0],
                   1e3 * ms(record_s) / recorded[0], ms(eager_s), ms(record_s), ms(mark_s),
                   ms([m - r for m, r in zip(mark_s, run_s)]))
 
@@ -178,21 +187,26 @@ def main() -> None:
                         "one thread keeps eager timings stable on a small shared machine)")
     p.add_argument("--stat", choices=("median", "min"), default="median",
                    help="per-step statistic of each column (min: the fastest step, for a loaded machine)")
+    p.add_argument("--fast", choices=("both", "on", "off"), default="both",
+                   help="record at __torch_function__ (PYDISC_FAST_RECORD, docs/fast_recording.md), op by op "
+                        "through the dispatcher, or both side by side (default)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     stat = statistics.median if args.stat == "median" else min
-    results = [measure(w, args.repeats, args.warmup, stat) for w in WORKLOADS]
+    paths = {"both": (False, True), "on": (True,), "off": (False,)}[args.fast]
+    results = [measure(w, args.repeats, args.warmup, stat, path) for w in WORKLOADS for path in paths]
     print("torch %s, %d thread(s), %s of %d steps after %d warm-up steps"
           % (torch.__version__, torch.get_num_threads(), args.stat, args.repeats, args.warmup))
     print()
-    print("| model | eager ATen ops | eager us/op | recorded ops | record us/op | record/eager "
-          "| eager step | pydisc record + mark_step (lookup+bind / run) |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| model, recording path | eager ATen ops | eager us/op | recorded entries | record us/entry "
+          "| eager step | pydisc record + mark_step (lookup+bind / run) | record / eager step "
+          "| (record + mark_step) / eager step |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
-        print("| %s | %d | %.1f | %d | %.1f | %.1fx | %.2f ms | %.2f + %.2f ms (%.2f / %.2f) |" % (
-            r.name, r.eager_ops, r.eager_us_per_op, r.recorded_ops, r.record_us_per_op,
-            r.record_us_per_op / r.eager_us_per_op, r.eager_step_ms, r.record_ms, r.mark_step_ms,
-            r.lookup_bind_ms, r.mark_step_ms - r.lookup_bind_ms))
+        print("| %s | %d | %.1f | %d | %.1f | %.2f ms | %.2f + %.2f ms (%.2f / %.2f) | %.2fx | %.2fx |" % (
+            r.name, r.eager_ops, r.eager_us_per_op, r.recorded_ops, r.record_us_per_op, r.eager_step_ms,
+            r.record_ms, r.mark_step_ms, r.lookup_bind_ms, r.mark_step_ms - r.lookup_bind_ms,
+            r.record_ms / r.eager_step_ms, (r.record_ms + r.mark_step_ms) / r.eager_step_ms))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,9 @@ def metrics_report(top: int = 10) -> str:
         "pydisc metrics",
         "  steps run            %d (plans reused %d, planned %d)" % (m.steps, m.graph_cache_hits,
                                                                    m.graph_cache_misses),
-        "  recorded ops         %d" % m.recorded_ops,
+        "  recorded ops         %d" % m.recorded_ops + (
+            " (+ %d calls in %d forwards recorded at __torch_function__)" % (m.fast_entries, m.fast_segments)
+            if m.fast_entries else ""),
         "  compiled clusters    %d (StableHLO %d with %d ops, torch-mlir %d with %d ops)" % (
             m.clusters, m.clusters_stablehlo, m.ops_stablehlo, m.clusters_torch_mlir, m.ops_torch_mlir),
         "  IREE compiles        %d (%.2f s), cache hits %d (%d from disk)" % (
@@ -23,6 +25,9 @@ def metrics_report(top: int = 10) -> str:
             if m.reads_run_eagerly else ""),
         "  planning time        %.2f s" % m.plan_seconds,
     ]
+    if m.fast_demotions:
+        lines.append("  fast path demoted    %s (re-recorded op by op)" % ", ".join(
+            "%s x%d" % kv for kv in m.fast_demotions.most_common(top)))
     for source, count in m.materialization_sources.most_common(3):
         lines.append("    read x%d at %s" % (count, source))
     total = sum(m.fallback_ops.values())
