@@ -24,6 +24,7 @@ Segments are not started under DDP, dynamic shapes or foreign dispatch modes.
 from __future__ import annotations
 
 import gc
+import threading
 import time
 import weakref
 
@@ -43,6 +44,7 @@ __all__ = ["install", "uninstall", "installed", "arm", "flush", "read", "resolve
 METRICS = _metrics.METRICS
 _NO_SUBCLASS = torch._C.DisableTorchFunctionSubclass
 _grad_enabled = torch.is_grad_enabled
+_thread = threading.get_ident
 _autocast = torch._C._is_any_autocast_enabled
 _functorch = torch._C._are_functorch_transforms_active
 _modes = torch._C._len_torch_dispatch_stack
@@ -704,6 +706,7 @@ class _Fast:
     def __init__(self) -> None:
         self.segment: Segment | None = None
         self.armed = False          # a lazy module's forward began: its first call opens a segment
+        self.owner = 0              # ... on this thread (other threads' calls take the dispatcher's path)
         self.demoted = False
         self.redirected = False     # some segment was demoted: its fast values may still be around
         self.gate = None            # a function saying whether segments may start (dynamic shapes)
@@ -720,6 +723,7 @@ def arm() -> None:
     """A lazy module's forward begins (its input hook): with grad on, its calls open a segment."""
     if FAST.segment is None and _grad_enabled():
         FAST.armed = True
+        FAST.owner = threading.get_ident()
 
 
 def _can_start() -> bool:
@@ -790,6 +794,8 @@ def resolve(t: LazyTensor) -> LazyTensor:
 def flush() -> None:
     """At mark_step: the open segment (a forward with no backward) becomes an entry of the trace."""
     seg = FAST.segment
+    if (seg is not None or FAST.armed) and FAST.owner != threading.get_ident():
+        return          # another thread's forward is being recorded: it ends with its own backward or mark
     if seg is not None:
         with _NO_SUBCLASS():
             try:
@@ -812,6 +818,8 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
         if func in _METADATA:
             return func(*args, **(kwargs or {}))
         seg = FAST.segment
+        if (seg is not None or FAST.armed) and FAST.owner != _thread():
+            return _default(func, args, kwargs)     # another thread records its forward at the moment
         if func in _AUTOGRAD_STATE:
             x = args[0] if args else None
             if seg is not None and type(x) is LazyTensor and x._fid is not None and x._fseg is seg:
