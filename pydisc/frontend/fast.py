@@ -455,23 +455,7 @@ class Segment:
         FAST.segment = None
         FAST.demoted = FAST.redirected = True
         METRICS.fast_demotions[reason] += 1
-        env: dict[int, torch.Tensor] = {}
-        ext = self.externals
-
-        def dec(a):
-            t = type(a)
-            if t is FV:
-                return env[a.fid]
-            if t is XV:
-                return ext[a.index]
-            if t is list or t is tuple:
-                return t(dec(x) for x in a)
-            return a
-
-        for func, args, kwargs, out_fids, grad, out_leaves in self.entries:
-            with torch.set_grad_enabled(grad):
-                out = func(*[dec(a) for a in args], **{k: dec(v) for k, v in kwargs.items()})
-            _assign(env, out, out_fids, out_leaves)
+        env = FusedStep(tuple(self.entries), len(self.externals), (), None, ()).forward(list(self.externals))
         for o in self.alive():
             if o._fid in env:
                 o._redirect = env[o._fid]
