@@ -23,9 +23,12 @@ cuBLAS/cuDNN by design, plus fallbacks), `record us/op` (host time from the star
 achieves counting one read of its input and one write of its output, against the device's copy
 bandwidth (`x.copy_()`, measured in the same process).
 
-The variable-length workload reports the total time of `--varlen-steps` steps including every compile,
-against torch.compile with `dynamic=False` (one compile per length, up to its recompile limit); the
-modes take turns, `--varlen-chunk` steps each, so that they see the same machine load and process warmth.
+The variable-length workloads report the total time of `--varlen-steps` steps including every compile,
+against torch.compile with `dynamic=False` (one compile per length, up to its recompile limit) and, as the
+mode `torch.compile.dynamic`, with `dynamic=True` (one compile with symbolic sizes; run for these
+workloads only); the modes take turns, `--varlen-chunk` steps each, so that they see the same machine
+load and process warmth. `bert_varlen_fp32` is the same without autocast (float32, TF32 matmuls): the
+fast recorder (`PYDISC_FAST_RECORD=1`) does not follow autocast, so only there can it record the forward.
 """
 from __future__ import annotations
 
@@ -165,6 +168,7 @@ class Workload:
     model_dtype: torch.dtype | None = None
     bytes_moved: Callable[[tuple], int] | None = None   # memory-bound workloads: minimal traffic per step
     varlen: bool = False
+    tf32: bool = False          # float32 matmuls and convolutions on tensor cores (TF32), in every mode
     notes: list = field(default_factory=list)
     # torch.compile compiles `model.forward` rather than wrapping the module: HF's `generate()` calls the
     # module's own forward, which a wrapper never sees
@@ -271,6 +275,10 @@ def workloads(tiny: bool, varlen_lengths: int) -> dict[str, Workload]:
                  lambda: Transformer(bert["vocab"], 512, bert["dim"], bert["heads"], bert["layers"], False),
                  _tokens(s(32, 4), lengths, bert["vocab"]), _lm, optimizer=adamw, autocast=torch.bfloat16,
                  varlen=True),
+        Workload("bert_varlen_fp32", "BERT-base encoder, fp32 (TF32 matmuls), batch %d, seq %s varying per step, AdamW"
+                 % (s(32, 4), "/".join(map(str, lengths))),
+                 lambda: Transformer(bert["vocab"], 512, bert["dim"], bert["heads"], bert["layers"], False),
+                 _tokens(s(32, 4), lengths, bert["vocab"]), _lm, optimizer=adamw, varlen=True, tf32=True),
         Workload("resnet18", "ResNet-18, bf16 autocast, batch %d 3x%d^2, SGD" % (s(32, 4), s(224, 32)),
                  lambda: ResNet18(s(64, 8), s(1000, 10)), _images((s(32, 4), 3, s(224, 32), s(224, 32)), s(1000, 10)),
                  _classify, autocast=torch.bfloat16),
@@ -304,6 +312,8 @@ def workloads(tiny: bool, varlen_lengths: int) -> dict[str, Workload]:
 
 # ---- one workload, in its own process ---------------------------------------------------------------
 
+MODES = ("eager", "torch.compile", "torch.compile.dynamic", "pydisc")
+
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -323,6 +333,8 @@ class Mode:
             model.forward = torch.compile(model.forward)
         elif name == "torch.compile":
             self.run_model = torch.compile(model, dynamic=False if w.varlen else None)
+        elif name == "torch.compile.dynamic":
+            self.run_model = torch.compile(model, dynamic=True)
         self.opt = w.optimizer(model.parameters()) if w.loss is not None else None
         self.last = None
         self.record_seconds = 0.0
@@ -460,13 +472,18 @@ def _progress(line: str) -> None:
 def run_one(name: str, args) -> dict:
     device = torch.device(args.device)
     w = workloads(args.tiny, args.varlen_lengths)[name]
+    if w.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(0)
     base = w.make_model()
     if w.model_dtype is not None:
         base = base.to(w.model_dtype)
     base = base.to(device)
     batches = w.batches(device, 0)
-    modes = [Mode(m, w, base, device) for m in ("eager", "torch.compile", "pydisc") if m in args.modes.split(",")]
+    # torch.compile.dynamic only where sizes vary: elsewhere torch.compile's default marks a dim dynamic
+    # once it sees it change, and no size changes
+    modes = [Mode(m, w, base, device) for m in MODES if m in args.modes.split(",")
+             and (w.varlen or m != "torch.compile.dynamic")]
     row = {"name": name, "title": w.title, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
            else "cpu", "torch": torch.__version__}
     warm_choices = []    # clusters measured during the warm-up (metrics are reset after it)
@@ -565,6 +582,10 @@ def run_one(name: str, args) -> dict:
     row["step choice"] = met["step_choice"] or row.get("step choice", "")
     row["steps while compiling"] = met["steps_while_compiling"]
     row["fallback ops"] = dict(sorted(met["fallback_ops"].items(), key=lambda kv: -kv[1])[:5])
+    row["recorded ops/step"] = met["recorded_ops"] / steps
+    # PYDISC_FAST_RECORD=1: forwards recorded at __torch_function__, and those re-recorded op by op
+    row["fast segments"] = met.get("fast_segments", 0)
+    row["fast demotions"] = dict(met.get("fast_demotions", {}))
     if args.profile:
         # after the timing: the profiler's own cost stays out of the table
         os.makedirs(args.profile, exist_ok=True)
@@ -596,8 +617,10 @@ def table(rows: list[dict]) -> str:
         e, c, p = r.get("eager"), r.get("torch.compile"), r.get("pydisc")
         first = " / ".join("%.1f" % r["first steps " + m] if "first steps " + m in r else "-"
                            for m in ("eager", "torch.compile", "pydisc"))
-        if r["name"] == "bert_varlen":
+        if r["name"].startswith("bert_varlen"):
             first = "(included: %d steps)" % r["steps"]
+            totals = ", ".join("%s %.1f s" % (m, r[m] * r["steps"]) for m in MODES if isinstance(r.get(m), float))
+            notes.append("- %s: %d steps in all, compiles included: %s" % (r["name"], r["steps"], totals))
         ratio = (lambda a, b: "%.2f" % (a / b) if a and b else "-")
         # steps run eagerly (kept so by the step choice, or while plans were built in the background)
         # record (almost) nothing: their time per op is not recording
@@ -606,7 +629,10 @@ def table(rows: list[dict]) -> str:
         out.append("| %s | %s | %s | %s | %s | %s | %s | %.1f | %.1f (%.1f) | %s | %d (%d) |" % (
             r["title"], _ms(e), _ms(c), _ms(p), ratio(p, e), ratio(p, c), first, r["clusters/step"], r["eager/step"],
             r["fallbacks/step"], record, r["compiles"], r["disk cache hits"]))
-        for m in ("eager", "torch.compile", "pydisc"):
+        if r.get("fast segments") or r.get("fast demotions"):
+            notes.append("- %s: fast recorder: %d forwards recorded at __torch_function__, demoted %s" % (
+                r["name"], r["fast segments"], r["fast demotions"] or "none"))
+        for m in MODES:
             if "failed " + m in r:
                 notes.append("- %s: %s failed: %s" % (r["name"], m, r["failed " + m]))
         if "GB/s" in r:
@@ -627,8 +653,7 @@ def table(rows: list[dict]) -> str:
             notes.append("- %s: %d modules ran through IREE's runtime" % (r["name"], r["direct_launch_fallbacks"]))
         if r.get("cuda graphs", "0 captured, 0 replays") != "0 captured, 0 replays":
             notes.append("- %s: CUDA graphs: %s" % (r["name"], r["cuda graphs"]))
-        losses = ", ".join("%s %.4g" % (m, r["loss " + m]) for m in ("eager", "torch.compile", "pydisc")
-                           if "loss " + m in r)
+        losses = ", ".join("%s %.4g" % (m, r["loss " + m]) for m in MODES if "loss " + m in r)
         notes.append("- %s: last value %s" % (r["name"], losses))
     return "\n".join(out + [""] + notes)
 
@@ -650,8 +675,8 @@ def main(argv=None) -> int:
     p.add_argument("--varlen-steps", type=int, default=200)
     p.add_argument("--varlen-lengths", type=int, default=4, help="distinct sequence lengths (128, 120, ...)")
     p.add_argument("--varlen-chunk", type=int, default=25, help="variable lengths: steps per mode per turn")
-    p.add_argument("--modes", default="eager,torch.compile,pydisc", help="which of eager, torch.compile, pydisc "
-                   "to run (the table reads '-' for the others)")
+    p.add_argument("--modes", default=",".join(MODES), help="which of %s to run (the table reads '-' for the "
+                   "others; torch.compile.dynamic runs for the variable-length workloads only)" % ", ".join(MODES))
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per workload")
     p.add_argument("--json", default="", help="append each row as a JSON line to this file")
     p.add_argument("--profile", default="", help="after timing, profile each mode's steps (torch.profiler) and "
