@@ -267,10 +267,42 @@ def record_foreach(func, args, kwargs):
 def optimizers_take_their_foreach_path() -> None:
     """torch's optimizers pick their multi-tensor (foreach) implementation, the default on CUDA, only for
     plain tensors (`torch.optim.optimizer._foreach_supported_types`); a lazy parameter took the
-    per-parameter loop. Listed there, it takes the path eager takes on its device, which records at a
-    fraction of the cost: one entry per foreach op instead of one per parameter and op."""
+    per-parameter loop. Listed there, it takes the path eager takes on CUDA, which records at a fraction
+    of the cost: one entry per foreach op instead of one per parameter and op.
+
+    On the CPU eager's default is the per-parameter loop; for a group of lazy parameters whose `foreach`
+    is left to torch (None), the step runs the foreach implementation instead (set for the step by an
+    optimizer step pre-hook, put back by the post-hook, so `state_dict()` is unchanged). Both compute
+    the same formulas op for op: SGD, Adam(W), RMSprop, Adagrad, Adamax, Adadelta and Rprop give
+    bit-equal parameters, NAdam, RAdam and ASGD differ by an ulp."""
     import torch.optim.optimizer as optimizer_module   # torch.optim deletes its `optimizer` attribute
 
     types = getattr(optimizer_module, "_foreach_supported_types", None)
     if isinstance(types, list) and LazyTensor not in types:
         types.append(LazyTensor)
+    global _HOOKS
+    if _HOOKS is None:
+        _HOOKS = (optimizer_module.register_optimizer_step_pre_hook(_foreach_for_lazy_groups),
+                  optimizer_module.register_optimizer_step_post_hook(_foreach_put_back))
+
+
+_HOOKS = None       # the step hooks, registered once per process
+_FLIPPED = "_pydisc_foreach_groups"     # the optimizer's attribute: the groups set to foreach for a step
+
+
+def _foreach_for_lazy_groups(optimizer, args, kwargs) -> None:
+    flipped = []
+    for group in optimizer.param_groups:
+        params = group.get("params")
+        if ("foreach" in group and group["foreach"] is None and not group.get("fused")
+                and not group.get("differentiable") and params
+                and all(type(p) is LazyTensor for p in params)):
+            group["foreach"] = True
+            flipped.append(group)
+    if flipped:
+        setattr(optimizer, _FLIPPED, flipped)
+
+
+def _foreach_put_back(optimizer, args, kwargs) -> None:
+    for group in optimizer.__dict__.pop(_FLIPPED, ()):
+        group["foreach"] = None

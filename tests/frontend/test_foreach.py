@@ -1,6 +1,8 @@
 """Foreach ops on lazy tensors: one recorded entry per call, run per tensor, equal to eager."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -239,3 +241,39 @@ def test_a_split_foreach_op_does_not_run_its_pending_arguments() -> None:
     torch._foreach_lerp_(expected, _tensors(1), 0.5)
     for y, e in zip(ys, expected):
         torch.testing.assert_close(y.cpu(), e)
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01),
+    lambda ps: torch.optim.AdamW(ps, lr=0.01),
+], ids=["sgd", "adamw"])
+def test_cpu_optimizers_record_their_foreach_path_and_match_eager(make) -> None:
+    """On the CPU eager's optimizers loop per parameter; for lazy parameters the step takes the foreach
+    implementation (the same formulas), so an optimizer step is a few entries, not one per parameter and
+    op, with eager's values; the group's `foreach` is the user's again after the step."""
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    lazy = pydisc.lazy(copy.deepcopy(eager))
+    opts = make(eager.parameters()), make(lazy.parameters())
+    x = torch.randn(5, 8)
+    for step in range(3):
+        losses = []
+        for model, opt in zip((eager, lazy), opts):
+            opt.zero_grad()
+            loss = model(x).square().mean()
+            loss.backward()
+            before = len(current_trace().entries) if model is lazy else 0
+            opt.step()
+            if model is lazy:
+                entries = current_trace().entries[before:]
+                assert any(isinstance(e.fn, SplitForeach) for e in entries), [e.fn for e in entries]
+                if step:        # (the first step also makes the state: one zeros_like per parameter)
+                    assert len(entries) <= 12, [e.fn for e in entries]    # per parameter: 20-40
+            losses.append(loss)
+        pydisc.mark_step()
+        torch.testing.assert_close(losses[1].cpu(), losses[0], rtol=1e-5, atol=1e-6)
+        assert [g["foreach"] for g in opts[1].param_groups] == [None]
+        assert "foreach" in opts[1].state_dict()["param_groups"][0]
+        assert opts[1].state_dict()["param_groups"][0]["foreach"] is None
+    for p, q in zip(eager.parameters(), lazy.parameters()):
+        torch.testing.assert_close(q.detach().cpu(), p.detach(), rtol=1e-5, atol=1e-6)
