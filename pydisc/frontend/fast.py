@@ -18,17 +18,20 @@ path had been off: slower, never different. Demotions are counted per reason in
 `metrics()["fast_demotions"]`. Causes: a value read before `mark_step` (`.item()`, `print`), a call
 whose metadata no meta kernel gives (data-dependent shapes), writes into parameters, buffers or
 inputs, or into a value that has views, `autograd.Function`s (so hooks and reentrant checkpointing),
-tensor hooks, `backward` with arguments, `torch.autograd.grad`, autocast and functorch transforms.
+tensor hooks, `backward` with arguments, `torch.autograd.grad`, functorch transforms, autocast of another
+device. Under autocast each call is recorded with autocast's dtype and replayed under it.
 Segments are not started under DDP, dynamic shapes or foreign dispatch modes.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import time
 import weakref
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from .. import metrics as _metrics
@@ -243,7 +246,8 @@ class Segment:
 
     # ---- recording ------------------------------------------------------------------------------
     def record(self, func, args, kwargs):
-        sig: list = [func, _grad_enabled()]
+        amp = _amp(self.device.type)
+        sig: list = [func, _grad_enabled(), amp]
         slots: list = []
         enc_args = tuple(self.encode(a, sig, slots) for a in args)
         enc_kwargs = {}
@@ -261,7 +265,7 @@ class Segment:
         if recipe is None:
             started = time.perf_counter()
             try:
-                recipe = self.recipe(func, enc_args, enc_kwargs, slots)
+                recipe = self.recipe(func, enc_args, enc_kwargs, slots, amp)
             except NoMeta as exc:
                 return self.read_call(func, enc_args, enc_kwargs, slots, str(exc))
             _RECIPES[key] = recipe
@@ -317,18 +321,24 @@ class Segment:
             if recipe.outputs and any(o[8] == slot for o in recipe.outputs):
                 continue
             out_fids.append(v.fid)      # written in place and not returned: same value id, newer data
-        self.entries.append((func, enc_args, enc_kwargs, tuple(out_fids), sig[1], tuple(out_leaves)))
+        self.entries.append((func, enc_args, enc_kwargs, tuple(out_fids), (sig[1], amp), tuple(out_leaves)))
         self.sig.append(tuple(sig))
         METRICS.fast_entries += 1
         if recipe.spec is None:
             return results[0]
         return pytree.tree_unflatten(results, recipe.spec)
 
-    def recipe(self, func, enc_args, enc_kwargs, slots) -> Recipe:
+    def recipe(self, func, enc_args, enc_kwargs, slots, amp) -> Recipe:
+        # Autocast casts only tensors of its device: under it the call runs on fake tensors of the
+        # segment's device (as torch.compile traces autocast), else on meta tensors (cheaper).
+        fake = FakeTensorMode() if amp is not None else None
         metas = {}
         for v in slots:
             if id(v) not in metas:
-                metas[id(v)] = self.meta_of(v)[0]
+                m = self.meta_of(v)[0]
+                if fake is not None:
+                    m = _on_device(fake, m, self.device)
+                metas[id(v)] = m
 
         def to_meta(a):
             t = type(a)
@@ -337,7 +347,7 @@ class Segment:
             if t is list or t is tuple:
                 return t(to_meta(x) for x in a)
             if t is torch.device or t is str and a[:4] in ("cpu", "cuda", "cuda:"):
-                return _META_DEVICE
+                return _META_DEVICE if fake is None else a
             return a
 
         margs = [to_meta(a) for a in enc_args]
@@ -345,7 +355,7 @@ class Segment:
         distinct = list({id(v): metas[id(v)] for v in slots}.items())
         before = [(m._version, m.shape, m.stride(), m.storage_offset()) for _, m in distinct]
         try:
-            with torch.set_grad_enabled(_grad_enabled()):
+            with torch.set_grad_enabled(_grad_enabled()), fake or contextlib.nullcontext():
                 out = func(*margs, **mkwargs)
         except Exception as exc:
             raise NoMeta("no meta kernel: %s" % _name(func)) from exc
@@ -370,7 +380,7 @@ class Segment:
                 kept.append(o)
                 continue
             kept.append(None)
-            if o.device.type != "meta":
+            if o.device.type != ("meta" if fake is None else self.device.type):
                 raise Demote("a call that makes a tensor on another device")
             same = alias = None
             for key, m in distinct:
@@ -407,7 +417,7 @@ class Segment:
                     if type(v) is FV:
                         needed.add(v.fid)
         inputs = [materialize(t).detach() if type(t) is LazyTensor else t for t in self.externals]
-        step = FusedStep(tuple(reversed(picked)), len(inputs), (), None, ())
+        step = FusedStep(tuple(reversed(picked)), len(inputs), (), None, (), self.device.type)
         with torch.no_grad():
             env = step.forward(inputs)
         METRICS.materializations += 1
@@ -455,7 +465,8 @@ class Segment:
         FAST.segment = None
         FAST.demoted = FAST.redirected = True
         METRICS.fast_demotions[reason] += 1
-        env = FusedStep(tuple(self.entries), len(self.externals), (), None, ()).forward(list(self.externals))
+        env = FusedStep(tuple(self.entries), len(self.externals), (), None, (),
+                        self.device.type).forward(list(self.externals))
         for o in self.alive():
             if o._fid in env:
                 o._redirect = env[o._fid]
@@ -524,7 +535,7 @@ class Segment:
                     storages[fid] = t._storage
                 out_vids.append(t._vid)
             fused = FusedStep(tuple(self.entries), len(self.externals), leaves,
-                              loss._fid if loss is not None else None, tuple(value_fids))
+                              loss._fid if loss is not None else None, tuple(value_fids), self.device.type)
             from .trace import Entry
             trace.entries.append(Entry(fused, enc_args, {}, tuple(out_vids), list, tuple(reads), (),
                                        tuple(sig), user_source(4)))
@@ -561,7 +572,7 @@ class Segment:
         through values that require grad, as autograd's graph would connect them."""
         needed = {loss}
         reached = set()
-        for func, args, kwargs, out_fids, grad, _ in reversed(self.entries):
+        for func, args, kwargs, out_fids, _, _ in reversed(self.entries):
             if not any(f in needed and self.rg[f] for f in out_fids):
                 continue
             for v in _slots((args, kwargs)):
@@ -589,6 +600,34 @@ def _contiguous(size) -> tuple:
         stride.append(acc)
         acc *= max(s, 1)
     return tuple(reversed(stride))
+
+
+def _amp(device_type: str):
+    """The autocast dtype in force for `device_type`'s tensors, or None; Demote where another device's
+    autocast is on too (it would cast the eager tensors of other devices a call takes)."""
+    if not _autocast():
+        return None
+    if any(torch.is_autocast_enabled(d) for d in _AMP_DEVICES if d != device_type):
+        raise Demote("autocast on another device")
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+_AMP_DEVICES = ("cpu", "cuda")
+
+
+def _on_device(mode: FakeTensorMode, m: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A fake tensor of `device` with meta tensor `m`'s layout and requires_grad (views keep theirs)."""
+    with mode:
+        base = torch.empty_strided((m.untyped_storage().nbytes() // max(m.dtype.itemsize, 1),), (1,),
+                                   dtype=m.dtype, device=device)
+        if m.requires_grad and not m.is_leaf:
+            base = base.requires_grad_(True).clone()
+        out = base.as_strided(m.shape, m.stride(), m.storage_offset())
+        if m.requires_grad and m.is_leaf:
+            out = out.detach().requires_grad_(True)
+    return out
 
 
 def _slots(a):
@@ -633,8 +672,10 @@ class FusedStep:
     """A segment as one entry of the step's trace: called on the segment's inputs, returns the gradients
     of its parameters (`leaves`, input slots) and the values still alive at its end (`outputs`)."""
 
-    def __init__(self, entries: tuple, n_inputs: int, leaves: tuple, loss: int | None, outputs: tuple) -> None:
+    def __init__(self, entries: tuple, n_inputs: int, leaves: tuple, loss: int | None, outputs: tuple,
+                 device_type: str) -> None:
         self.entries = entries
+        self.device_type = device_type
         self.n_inputs = n_inputs
         self.leaves = leaves
         self.loss = loss
@@ -656,10 +697,19 @@ class FusedStep:
                 return t(dec(x) for x in a)
             return a
 
-        for func, args, kwargs, out_fids, grad, out_leaves in self.entries:
-            with torch.set_grad_enabled(grad):
-                out = func(*[dec(a) for a in args], **{k: dec(v) for k, v in kwargs.items()})
-            _assign(env, out, out_fids, out_leaves)
+        device_type = self.device_type
+        with contextlib.ExitStack() as stack:
+            amp_now = _amp(device_type)
+            for func, args, kwargs, out_fids, (grad, amp), out_leaves in self.entries:
+                if amp != amp_now:
+                    # the autocast state the call was recorded under (consecutive calls share one region,
+                    # so its cast of a weight is made once there, as in eager)
+                    stack.close()
+                    stack.enter_context(torch.autocast(device_type, dtype=amp, enabled=amp is not None))
+                    amp_now = amp
+                with torch.set_grad_enabled(grad):
+                    out = func(*[dec(a) for a in args], **{k: dec(v) for k, v in kwargs.items()})
+                _assign(env, out, out_fids, out_leaves)
         return env
 
     def __call__(self, *inputs: torch.Tensor) -> list:
@@ -712,7 +762,7 @@ def arm() -> None:
 
 def _can_start() -> bool:
     if FAST.demoted or RECORDER.passthrough or RECORDER.symbolic is not None or \
-            RECORDER.carried_dims is not None or _autocast() or _functorch() or _modes() != own_modes():
+            RECORDER.carried_dims is not None or _functorch() or _modes() != own_modes():
         return False
     if FAST.gate is not None and not FAST.gate():
         return False
@@ -834,8 +884,8 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
                 return _backward(seg, func, args, kwargs)
             if func is torch.autograd.grad:
                 raise Demote("torch.autograd.grad")
-            if _autocast() or _functorch() or _modes() != own_modes():
-                raise Demote("autocast, a functorch transform or a dispatch mode")
+            if _functorch() or _modes() != own_modes():
+                raise Demote("a functorch transform or a dispatch mode")
             return seg.record(func, args, kwargs)
         except Demote as exc:
             if FAST.segment is seg:

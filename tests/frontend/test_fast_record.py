@@ -221,3 +221,65 @@ def test_hf_models_train_like_eager_on_the_fast_path(name: str, fast_recording, 
     m = run.metrics
     assert m["fast_demotions"] == {} and m["fast_segments"] >= 3, (m["fast_demotions"], m["fast_segments"])
     assert m["fallback_ops"] == {} and m["plans_compiled"] == 1, (m["fallback_ops"], m["plans_compiled"])
+
+
+def _autocast_ce(dtype):
+    def forward(m, x, y):
+        with torch.autocast("cpu", dtype=dtype):
+            logits = m(x)
+            assert logits.dtype == dtype
+            loss = F.cross_entropy(logits, y)      # autocast runs it in float32
+        assert loss.dtype == torch.float32
+        loss.backward()
+        return loss
+    return forward
+
+
+def test_autocast_is_followed_and_trains_like_eager_and_the_dispatch_path(fast_recording) -> None:
+    """Under autocast each call is recorded with autocast's state and replayed under it, so the casts
+    (and their backward) are eager's; metadata from fake tensors of the device, which autocast casts."""
+    forward = _autocast_ce(torch.bfloat16)
+    losses, lazy_losses, ref, model = _train(Block, forward)
+    m = pydisc.metrics()
+    assert m["fast_demotions"] == {} and m["fast_segments"] == 3, m["fast_demotions"]
+    # bf16 keeps 8 bits of mantissa: eager and the compiled step round in different places
+    _assert_same(ref, model, losses, lazy_losses, tol=2e-2)
+    for p in model.parameters():
+        assert p.dtype == torch.float32 and p.grad is None or p.grad.dtype == torch.float32
+    fast.uninstall()
+    try:
+        slow = _train(Block, forward)
+    finally:
+        fast.install()
+    torch.testing.assert_close(torch.tensor(lazy_losses), torch.tensor(slow[1]), rtol=1e-3, atol=1e-3)
+    for a, b in zip(model.state_dict().values(), slow[3].state_dict().values()):
+        torch.testing.assert_close(a.cpu(), b.cpu(), rtol=1e-3, atol=1e-3)
+
+
+def test_autocast_float16_with_grad_scaler_on_the_fast_path(fast_recording) -> None:
+    def make(p):
+        return torch.optim.SGD(p, lr=0.1, momentum=0.9)
+
+    torch.manual_seed(0)
+    ref = Block()
+    model = pydisc.lazy(copy.deepcopy(ref))
+    runs = []
+    for m in (ref, model):
+        opt, scaler = make(m.parameters()), torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(3):
+            x, y = torch.randn(4, 6, 16, generator=g), torch.randint(0, 5, (4,), generator=g)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(m(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            if m is model:
+                pydisc.mark_step()
+            losses.append(loss.item())
+        runs.append((losses, scaler.get_scale()))
+    assert runs[1][1] == runs[0][1]
+    _assert_same(ref, model, runs[0][0], runs[1][0], tol=2e-2)
+    assert pydisc.metrics()["fast_demotions"] == {} and pydisc.metrics()["fast_segments"] == 3
