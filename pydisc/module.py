@@ -7,9 +7,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .diagnostics import warn_once
-from .frontend import inference
-from .frontend.fast import arm as arm_fast
-from .frontend.fast import installed as fast_installed
+from .frontend import fast, inference
 from .frontend.lazy_tensor import RECORDER, LazyTensor, to_lazy
 from .frontend.symbolic import release_factory_mode
 
@@ -52,8 +50,7 @@ def _pre_hook(device: torch.device):
             moved = _moved(args, device), _moved(kwargs, device)
             return None if moved[0] is args and moved[1] is kwargs else moved
         inference.use_for_forward()     # F.linear and matmul recorded whole where no grad is recorded
-        if fast_installed():
-            arm_fast()                  # a forward with grad is recorded at __torch_function__
+        fast.arm(module._pydisc_fast_record)    # a forward with grad recorded at __torch_function__
         release_factory_mode()          # (no dispatch is under way here)
         return _lazy_input(args, device), _lazy_input(kwargs, device)
     return hook
@@ -78,13 +75,18 @@ def _lazy_input(x, device: torch.device):
     return x
 
 
-def lazy(module: torch.nn.Module, *, device: str | torch.device | None = None) -> torch.nn.Module:
+def lazy(module: torch.nn.Module, *, device: str | torch.device | None = None,
+         fast_record: bool | None = None) -> torch.nn.Module:
     """Convert `module` in place and return it: its parameters and buffers become lazy tensors on
     `device` (default: where they are now), and tensors passed to its forward become lazy too.
 
     The Parameter and buffer objects stay the same objects (`torch.utils.swap_tensors`), so optimizers,
-    hooks and references made before this call keep working.
+    hooks and references made before this call keep working. `fast_record`: record this module's
+    training forwards at `__torch_function__` (docs/fast_recording.md), or every ATen op through the
+    dispatcher (False); None follows `PYDISC_FAST_RECORD`.
     """
+    if fast_record is not None and not isinstance(fast_record, bool):
+        raise TypeError("pydisc.lazy: fast_record must be True, False or None, got %r" % (fast_record,))
     if not isinstance(module, torch.nn.Module):
         raise TypeError("pydisc.lazy expects a torch.nn.Module, got %s" % type(module).__name__)
     device = torch.device(device) if device is not None else _default_device(module)
@@ -119,6 +121,7 @@ def lazy(module: torch.nn.Module, *, device: str | torch.device | None = None) -
     if not getattr(module, "_pydisc_hooked", False):
         module.register_forward_pre_hook(_pre_hook(device), with_kwargs=True)
         module._pydisc_hooked = True
+    module._pydisc_fast_record = fast_record
     module._pydisc_device = device
     return module
 

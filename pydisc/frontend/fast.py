@@ -744,6 +744,7 @@ class _Fast:
         self.demoted = False
         self.redirected = False     # some segment was demoted: its fast values may still be around
         self.gate = None            # a function saying whether segments may start (dynamic shapes)
+        self.default = False        # lazy modules without a `fast_record` of their own record fast
 
 
 FAST = _Fast()
@@ -753,8 +754,13 @@ def set_gate(fn) -> None:
     FAST.gate = fn
 
 
-def arm() -> None:
-    """A lazy module's forward begins (its input hook): with grad on, its calls open a segment."""
+def arm(module_choice: bool | None = None) -> None:
+    """A lazy module's forward begins (its input hook): with grad on, its calls open a segment, if the
+    module's choice (`pydisc.lazy(..., fast_record=)`, None: the process's default) is to record fast."""
+    if not (FAST.default if module_choice is None else module_choice):
+        return
+    if not installed():
+        install(default=False)
     if FAST.segment is None and _grad_enabled():
         FAST.armed = True
         FAST.owner = threading.get_ident()
@@ -946,8 +952,10 @@ def installed() -> bool:
     return LazyTensor.__dict__.get("__torch_function__") is _INSTALLED
 
 
-def install() -> None:
-    """Record gradient-recording forwards at `__torch_function__` from now on (PYDISC_FAST_RECORD=1)."""
+def install(default: bool = True) -> None:
+    """Record gradient-recording forwards at `__torch_function__` from now on (PYDISC_FAST_RECORD=1);
+    `default`: for every lazy module, else only for those that ask for it."""
+    FAST.default = FAST.default or default
     LazyTensor.__torch_function__ = _INSTALLED
     torch.autograd.Function.apply = classmethod(_apply)
     inference.pin(True)
@@ -957,6 +965,7 @@ def install() -> None:
 def uninstall() -> None:
     """Every op through the dispatcher again (a step in progress is ended first by `flush`)."""
     flush()
+    FAST.default = False
     if inference._DISABLED is None:
         del LazyTensor.__torch_function__
     else:

@@ -44,11 +44,12 @@ class Block(nn.Module):
         return self.head(x.mean(dim=1))
 
 
-def _train(make, forward, steps: int = 3, opt=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), batch=None):
+def _train(make, forward, steps: int = 3, opt=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), batch=None,
+           **lazy_options):
     """Eager and lazy copies of one model trained side by side: (eager losses, lazy losses, models)."""
     torch.manual_seed(0)
     ref = make()
-    model = pydisc.lazy(copy.deepcopy(ref))
+    model = pydisc.lazy(copy.deepcopy(ref), **lazy_options)
     o_ref, o = opt(ref.parameters()), opt(model.parameters())
     g = torch.Generator().manual_seed(1)
     losses, lazy_losses = [], []
@@ -283,3 +284,30 @@ def test_autocast_float16_with_grad_scaler_on_the_fast_path(fast_recording) -> N
     assert runs[1][1] == runs[0][1]
     _assert_same(ref, model, runs[0][0], runs[1][0], tol=2e-2)
     assert pydisc.metrics()["fast_demotions"] == {} and pydisc.metrics()["fast_segments"] == 3
+
+
+def test_the_per_module_switch_overrides_the_default() -> None:
+    was = fast.installed() and fast.FAST.default
+    fast.uninstall()
+    try:
+        METRICS.reset()
+        chosen = _train(Block, _ce, steps=2)                # default off: the dispatcher records
+        assert pydisc.metrics()["fast_segments"] == 0
+        _assert_same(*chosen[2:], *chosen[:2])
+
+        losses, lazy_losses, ref, model = _train(Block, _ce, steps=2, fast_record=True)
+        _assert_same(ref, model, losses, lazy_losses)
+        assert pydisc.metrics()["fast_segments"] == 2 and not fast.FAST.default
+
+        fast.install()                                      # default on: a module can still opt out
+        METRICS.reset()
+
+        losses, lazy_losses, ref, model = _train(Block, _ce, steps=2, fast_record=False)
+        _assert_same(ref, model, losses, lazy_losses)
+        assert pydisc.metrics()["fast_segments"] == 0
+        with pytest.raises(TypeError, match="fast_record must be True, False or None"):
+            pydisc.lazy(nn.Linear(2, 2), fast_record="yes")
+    finally:
+        fast.uninstall()
+        if was:
+            fast.install()
