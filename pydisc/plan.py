@@ -22,6 +22,8 @@ from .config import CONFIG, applies
 from .diagnostics import log, warn_once
 from .exec.compiler import forget_module
 from .exec.errors import is_out_of_memory
+from .frontend import fast
+from .frontend.fast import FusedStep
 from .frontend.lazy_tensor import StrictModeError
 from .frontend.replay import Program, functional_graph
 from .metrics import METRICS
@@ -383,6 +385,10 @@ def _build(program: Program, inputs: list[torch.Tensor], device: torch.device,
                   "pydisc: could not build a functional graph for this step (%s: %s)%s; the step runs "
                   "eagerly, as it would without pydisc. Please report this with the op named." % (
                       type(exc).__name__, exc, where))
+        if entry is not None and entry < len(program.entries) and isinstance(program.entries[entry][0], FusedStep):
+            # a forward recorded by the fast recorder that torch.func cannot differentiate: the next
+            # steps are recorded op by op, which plans (and compiles) the same step
+            fast.refuse("planning failed: %s" % type(exc).__name__)
         return _eager_plan(program, sources)
     METRICS.plan_seconds += time.perf_counter() - started
     return plan_graph(gm, device, sources, step_id)

@@ -42,7 +42,8 @@ from .source import user_source
 from .symbolic import own_modes
 from .trace import LazyStorage, out_kind
 
-__all__ = ["install", "uninstall", "installed", "arm", "flush", "read", "resolve", "set_gate", "FusedStep"]
+__all__ = ["install", "uninstall", "installed", "arm", "flush", "read", "resolve", "refuse", "set_gate",
+           "FusedStep"]
 
 METRICS = _metrics.METRICS
 _NO_SUBCLASS = torch._C.DisableTorchFunctionSubclass
@@ -717,18 +718,32 @@ class FusedStep:
             env = self.forward(list(inputs))
             return [env[f] for f in self.outputs]
         leaves = self.leaves
+        if _functorch():
+            # planned: inside torch.func.functionalize, where autograd does not record, so functorch's
+            # own autograd transform
+            def fwd(*params):
+                values = list(inputs)
+                for i, p in zip(leaves, params):
+                    values[i] = p
+                env = self.forward(values)
+                return env[self.loss], [env[f] for f in self.outputs]
 
-        def fwd(*params):
-            values = list(inputs)
-            for i, p in zip(leaves, params):
-                values[i] = p
-            env = self.forward(values)
-            return env[self.loss], [env[f] for f in self.outputs]
-
+            with torch.enable_grad():
+                loss, vjp, values = torch.func.vjp(fwd, *[inputs[i] for i in leaves], has_aux=True)
+                grads = vjp(torch.ones_like(loss))
+            return [*grads, *values]
+        # replayed eagerly: autograd itself, as eager's backward (torch.func.vjp fails on a few programs
+        # autograd runs: HF T5's attention under bf16 autocast on the CPU)
         with torch.enable_grad():
-            loss, vjp, values = torch.func.vjp(fwd, *[inputs[i] for i in leaves], has_aux=True)
-            grads = vjp(torch.ones_like(loss))
-        return [*grads, *values]
+            values = list(inputs)
+            params = []
+            for i in leaves:
+                p = values[i] = inputs[i].detach().requires_grad_(True)
+                params.append(p)
+            env = self.forward(values)
+            grads = torch.autograd.grad(env[self.loss], params, allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
+        return [*grads, *[env[f].detach() for f in self.outputs]]
 
 
 _RECIPES: dict[tuple, Recipe] = {}
@@ -745,6 +760,7 @@ class _Fast:
         self.redirected = False     # some segment was demoted: its fast values may still be around
         self.gate = None            # a function saying whether segments may start (dynamic shapes)
         self.default = False        # lazy modules without a `fast_record` of their own record fast
+        self.refused = None         # why no more segments start in this process (a fused step that failed)
 
 
 FAST = _Fast()
@@ -766,8 +782,15 @@ def arm(module_choice: bool | None = None) -> None:
         FAST.owner = threading.get_ident()
 
 
+def refuse(reason: str) -> None:
+    """A fused step could not be planned: the process records op by op from now on."""
+    if FAST.refused is None:
+        FAST.refused = reason
+        METRICS.fast_demotions[reason] += 1
+
+
 def _can_start() -> bool:
-    if FAST.demoted or RECORDER.passthrough or RECORDER.symbolic is not None or \
+    if FAST.refused is not None or FAST.demoted or RECORDER.passthrough or RECORDER.symbolic is not None or \
             RECORDER.carried_dims is not None or _functorch() or _modes() != own_modes():
         return False
     if FAST.gate is not None and not FAST.gate():
@@ -956,6 +979,7 @@ def install(default: bool = True) -> None:
     """Record gradient-recording forwards at `__torch_function__` from now on (PYDISC_FAST_RECORD=1);
     `default`: for every lazy module, else only for those that ask for it."""
     FAST.default = FAST.default or default
+    FAST.refused = None
     LazyTensor.__torch_function__ = _INSTALLED
     torch.autograd.Function.apply = classmethod(_apply)
     inference.pin(True)

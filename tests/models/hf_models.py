@@ -130,9 +130,11 @@ class Run:
 
 
 def train_side_by_side(name: str, steps: int = 5, lengths: list[int] | None = None, attn: str = "sdpa",
-                       batch: int = 2, optimizer: Callable = adamw, device: str = "cpu") -> Run:
+                       batch: int = 2, optimizer: Callable = adamw, device: str = "cpu",
+                       autocast: torch.dtype | None = None) -> Run:
     """Train MODELS[name] eagerly and under pydisc from the same weights on the same batches (one
-    length per step: `lengths`, default 12 throughout), both on `device`."""
+    length per step: `lengths`, default 12 throughout), both on `device`, the forward under
+    `torch.autocast(device, autocast)` if given."""
     lengths = lengths or [12] * steps
     torch.manual_seed(0)
     eager = MODELS[name](attn).train().to(device)
@@ -149,7 +151,8 @@ def train_side_by_side(name: str, steps: int = 5, lengths: list[int] | None = No
             torch.manual_seed(1000 + step)      # the same dropout masks on both sides
             executions = pydisc.metrics()["executions"]
             started = time.perf_counter()
-            loss = model(**inputs).loss
+            with torch.autocast(device, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                loss = model(**inputs).loss
             loss.backward()
             opt.step()
             opt.zero_grad()
