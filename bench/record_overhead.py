@@ -35,7 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # Recording is what is timed: the measured step choice would switch these small CPU steps to eager.
 os.environ.setdefault("PYDISC_STEP_CHOICE", "off")
 import pydisc  # noqa: E402
-from pydisc.frontend import fast  # noqa: E402
 
 
 class MLP(nn.Module):
@@ -110,11 +109,9 @@ class Result:
 
 def measure(workload: Workload, repeats: int, warmup: int, stat: Callable[[list[float]], float],
             fast_record: bool) -> Result:
-    if fast_record != fast.installed():
-        fast.install() if fast_record else fast.uninstall()
     torch.manual_seed(0)
     eager = workload.make_model()
-    lazy = pydisc.lazy(copy.deepcopy(eager))
+    lazy = pydisc.lazy(copy.deepcopy(eager), fast_record=fast_record)
     make_opt = lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9)  # noqa: E731
     eager_opt, lazy_opt = make_opt(eager.parameters()), make_opt(lazy.parameters())
     x = torch.randn(workload.input_shape)

@@ -31,8 +31,7 @@ __all__ = ["lazy", "mark_step", "mark_dynamic", "is_lazy", "to_lazy", "metrics",
 
 install_rewrites()
 install_collectives()     # after the rewrites: it wraps any rewrite of copy_
-if CONFIG.fast_record:
-    fast.install()
+fast.set_default(CONFIG.fast_record)     # (the handler is installed at the first forward it records)
 install_optimizer_hook()
 
 

@@ -29,6 +29,11 @@ def _scope(name: str, default: str) -> str:
     return _choice(name, default, SCOPES)
 
 
+def _fast_scope() -> str:
+    value = _choice("PYDISC_FAST_RECORD", "cpu", SCOPES + ("0", "1"))
+    return {"1": "all", "0": "off"}.get(value, value)
+
+
 def applies(scope: str, device) -> bool:
     """Whether a scope setting ("all", "cuda", "cpu", "off") covers `device` (a torch.device)."""
     return scope == "all" or scope == device.type
@@ -89,8 +94,9 @@ class Config:
     # (pydisc/cluster/value_checks.py): "cpu" (default), "cuda", "all" or "off"
     value_checks: str = _scope("PYDISC_VALUE_CHECKS", "cpu")
     # forwards that record gradients are recorded as the calls user code makes and differentiated when
-    # the step is planned (pydisc/frontend/fast.py); 0 records every ATen op through the dispatcher
-    fast_record: bool = _choice("PYDISC_FAST_RECORD", "0", ("0", "1")) == "1"
+    # the step is planned (pydisc/frontend/fast.py), for lazy modules on: "cpu" (default), "cuda", "all"
+    # (or 1), "off" (or 0: every ATen op through the dispatcher)
+    fast_record: str = _fast_scope()
 
 
 CONFIG = Config()

@@ -38,3 +38,12 @@ def test_scopes_cover_their_devices():
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert [applies(s, cpu) for s in ("all", "cuda", "cpu", "off")] == [True, False, True, False]
     assert [applies(s, cuda) for s in ("all", "cuda", "cpu", "off")] == [True, True, False, False]
+
+
+@pytest.mark.parametrize("value,scope", [("", "cpu"), ("0", "off"), ("1", "all"), (" Cuda", "cuda"), ("off", "off")])
+def test_fast_record_takes_a_scope_and_the_old_switch(value, scope):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYDISC_FAST_RECORD=value)
+    done = subprocess.run([sys.executable, "-c", "import pydisc; from pydisc.frontend import fast; "
+                           "print(pydisc.config.CONFIG.fast_record, fast.FAST.default)"],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.stdout.split() == [scope, scope], done.stderr

@@ -36,14 +36,14 @@ from torch.utils import _pytree as pytree
 
 from .. import metrics as _metrics
 from . import inference
-from ..config import CONFIG
+from ..config import CONFIG, applies
 from .lazy_tensor import RECORDER, LazyTensor, _constant_part, _layout_key, _make_wrapper, materialize
 from .source import user_source
 from .symbolic import own_modes
 from .trace import LazyStorage, out_kind
 
 __all__ = ["install", "uninstall", "installed", "arm", "flush", "read", "resolve", "refuse", "set_gate",
-           "FusedStep"]
+           "set_default", "FusedStep"]
 
 METRICS = _metrics.METRICS
 _NO_SUBCLASS = torch._C.DisableTorchFunctionSubclass
@@ -759,7 +759,7 @@ class _Fast:
         self.demoted = False
         self.redirected = False     # some segment was demoted: its fast values may still be around
         self.gate = None            # a function saying whether segments may start (dynamic shapes)
-        self.default = False        # lazy modules without a `fast_record` of their own record fast
+        self.default = "off"        # devices whose lazy modules (with no `fast_record` of their own) record fast
         self.refused = None         # why no more segments start in this process (a fused step that failed)
 
 
@@ -770,10 +770,18 @@ def set_gate(fn) -> None:
     FAST.gate = fn
 
 
-def arm(module_choice: bool | None = None) -> None:
+def set_default(scope: str) -> None:
+    """Which devices' lazy modules record fast unless they say otherwise: "all", "cpu", "cuda", "off"."""
+    FAST.default = scope
+
+
+def arm(module_choice: bool | None = None, device: torch.device | None = None) -> None:
     """A lazy module's forward begins (its input hook): with grad on, its calls open a segment, if the
-    module's choice (`pydisc.lazy(..., fast_record=)`, None: the process's default) is to record fast."""
-    if not (FAST.default if module_choice is None else module_choice):
+    module's choice (`pydisc.lazy(..., fast_record=)`, None: the process's default for `device`) is to
+    record fast."""
+    if module_choice is None:
+        module_choice = device is not None and applies(FAST.default, device)
+    if not module_choice:
         return
     if not installed():
         install(default=False)
@@ -978,7 +986,8 @@ def installed() -> bool:
 def install(default: bool = True) -> None:
     """Record gradient-recording forwards at `__torch_function__` from now on (PYDISC_FAST_RECORD=1);
     `default`: for every lazy module, else only for those that ask for it."""
-    FAST.default = FAST.default or default
+    if default:
+        FAST.default = "all"
     FAST.refused = None
     LazyTensor.__torch_function__ = _INSTALLED
     torch.autograd.Function.apply = classmethod(_apply)
@@ -989,7 +998,7 @@ def install(default: bool = True) -> None:
 def uninstall() -> None:
     """Every op through the dispatcher again (a step in progress is ended first by `flush`)."""
     flush()
-    FAST.default = False
+    FAST.default = "off"
     if inference._DISABLED is None:
         del LazyTensor.__torch_function__
     else:

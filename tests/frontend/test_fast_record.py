@@ -17,10 +17,13 @@ from pydisc.metrics import METRICS
 
 @pytest.fixture
 def fast_recording():
+    """Every lazy module records fast (whatever PYDISC_FAST_RECORD says); the default again after."""
+    previous = fast.FAST.default
     fast.install()
     METRICS.reset()
     yield
     fast.uninstall()
+    fast.set_default(previous)
 
 
 class Block(nn.Module):
@@ -287,7 +290,7 @@ def test_autocast_float16_with_grad_scaler_on_the_fast_path(fast_recording) -> N
 
 
 def test_the_per_module_switch_overrides_the_default() -> None:
-    was = fast.installed() and fast.FAST.default
+    previous = fast.FAST.default
     fast.uninstall()
     try:
         METRICS.reset()
@@ -297,7 +300,7 @@ def test_the_per_module_switch_overrides_the_default() -> None:
 
         losses, lazy_losses, ref, model = _train(Block, _ce, steps=2, fast_record=True)
         _assert_same(ref, model, losses, lazy_losses)
-        assert pydisc.metrics()["fast_segments"] == 2 and not fast.FAST.default
+        assert pydisc.metrics()["fast_segments"] == 2 and fast.FAST.default == "off"
 
         fast.install()                                      # default on: a module can still opt out
         METRICS.reset()
@@ -309,8 +312,7 @@ def test_the_per_module_switch_overrides_the_default() -> None:
             pydisc.lazy(nn.Linear(2, 2), fast_record="yes")
     finally:
         fast.uninstall()
-        if was:
-            fast.install()
+        fast.set_default(previous)
 
 
 @pytest.mark.parametrize("name", ["gpt2", "t5"])
@@ -335,3 +337,17 @@ def test_hf_models_under_autocast_train_like_eager_and_end_compiled(name: str, f
     assert set(m["fast_demotions"]) <= {"planning failed: RuntimeError"}, m["fast_demotions"]
     if name == "gpt2":
         assert m["fast_demotions"] == {} and m["plans_compiled"] == 1
+
+
+@pytest.mark.parametrize("scope,segments", [("cpu", 2), ("cuda", 0), ("all", 2), ("off", 0)])
+def test_the_default_scope_says_which_devices_record_fast(scope: str, segments: int) -> None:
+    """PYDISC_FAST_RECORD's scope (default "cpu"): CPU modules here."""
+    previous = fast.FAST.default
+    fast.set_default(scope)
+    try:
+        METRICS.reset()
+        losses, lazy_losses, ref, model = _train(Block, _ce, steps=2)
+        _assert_same(ref, model, losses, lazy_losses)
+        assert pydisc.metrics()["fast_segments"] == segments
+    finally:
+        fast.set_default(previous)
