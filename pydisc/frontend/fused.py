@@ -1,0 +1,172 @@
+"""The fast recorder's entry of a step: `FusedStep`, the recorded calls of one forward, replayed.
+
+A segment (frontend/segment.py) records calls with their tensor arguments encoded as `FV` (a value the
+segment made) or `XV` (one of its inputs). `FusedStep` runs those calls again on real, fake or traced
+tensors, each under the grad mode and autocast state it was recorded with, and, for a forward that ended
+in `backward()`, returns the parameters' gradients: computed by `torch.func.vjp` when the step is
+planned (inside `torch.func.functionalize`) and by `torch.autograd.grad` when it runs eagerly.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.utils import _pytree as pytree
+
+__all__ = ["FV", "XV", "Demote", "NoMeta", "FusedStep"]
+
+_autocast = torch._C._is_any_autocast_enabled
+_functorch = torch._C._are_functorch_transforms_active
+_Tensor = torch.Tensor
+
+
+class FV:
+    """A fast value in an entry's arguments."""
+    __slots__ = ("fid",)
+
+    def __init__(self, fid: int) -> None:
+        self.fid = fid
+
+
+class XV:
+    """An input of the segment (a lazy tensor it did not make, or an eager tensor) in an entry's arguments."""
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+_FVS: list[FV] = []
+_XVS: list[XV] = []
+
+
+def _fv(fid: int) -> FV:
+    while len(_FVS) <= fid:
+        _FVS.append(FV(len(_FVS)))
+    return _FVS[fid]
+
+
+def _xv(index: int) -> XV:
+    while len(_XVS) <= index:
+        _XVS.append(XV(len(_XVS)))
+    return _XVS[index]
+
+
+class Demote(Exception):
+    """Raised inside recording: the segment must be demoted (the message is the reason)."""
+
+
+class NoMeta(Demote):
+    """No meta kernel says what the call gives: it reads data (`bool(t)`, `.item()`) or its shapes do."""
+
+
+def _amp(device_type: str):
+    """The autocast dtype in force for `device_type`'s tensors, or None; Demote where another device's
+    autocast is on too (it would cast the eager tensors of other devices a call takes)."""
+    if not _autocast():
+        return None
+    if any(torch.is_autocast_enabled(d) for d in _AMP_DEVICES if d != device_type):
+        raise Demote("autocast on another device")
+    if not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
+
+
+_AMP_DEVICES = ("cpu", "cuda")
+
+
+def _slots(a):
+    t = type(a)
+    if t is FV or t is XV:
+        yield a
+    elif t is list or t is tuple:
+        for x in a:
+            yield from _slots(x)
+    elif t is dict:
+        for x in a.values():
+            yield from _slots(x)
+
+
+def _assign(env, out, out_fids, out_leaves) -> None:
+    """Bind a replayed call's results to their fast value ids (values written in place and not returned
+    keep theirs: the same tensor, now holding the new data)."""
+    leaves = [out] if isinstance(out, _Tensor) else pytree.tree_leaves(out)
+    for fid, j in zip(out_fids, out_leaves):
+        env[fid] = leaves[j]
+
+
+class FusedStep:
+    """A segment as one entry of the step's trace: called on the segment's inputs, returns the gradients
+    of its parameters (`leaves`, input slots) and the values still alive at its end (`outputs`)."""
+
+    def __init__(self, entries: tuple, n_inputs: int, leaves: tuple, loss: int | None, outputs: tuple,
+                 device_type: str) -> None:
+        self.entries = entries
+        self.device_type = device_type
+        self.n_inputs = n_inputs
+        self.leaves = leaves
+        self.loss = loss
+        self.outputs = outputs
+
+    def __repr__(self) -> str:
+        return "pydisc.fused_step"
+
+    def forward(self, inputs: list) -> dict:
+        env: dict[int, torch.Tensor] = {}
+
+        def dec(a):
+            t = type(a)
+            if t is FV:
+                return env[a.fid]
+            if t is XV:
+                return inputs[a.index]
+            if t is list or t is tuple:
+                return t(dec(x) for x in a)
+            return a
+
+        device_type = self.device_type
+        with contextlib.ExitStack() as stack:
+            amp_now = _amp(device_type)
+            for func, args, kwargs, out_fids, (grad, amp), out_leaves in self.entries:
+                if amp != amp_now:
+                    # the autocast state the call was recorded under (consecutive calls share one region,
+                    # so its cast of a weight is made once there, as in eager)
+                    stack.close()
+                    stack.enter_context(torch.autocast(device_type, dtype=amp, enabled=amp is not None))
+                    amp_now = amp
+                with torch.set_grad_enabled(grad):
+                    out = func(*[dec(a) for a in args], **{k: dec(v) for k, v in kwargs.items()})
+                _assign(env, out, out_fids, out_leaves)
+        return env
+
+    def __call__(self, *inputs: torch.Tensor) -> list:
+        if self.loss is None:
+            env = self.forward(list(inputs))
+            return [env[f] for f in self.outputs]
+        leaves = self.leaves
+        if _functorch():
+            # planned: inside torch.func.functionalize, where autograd does not record, so functorch's
+            # own autograd transform
+            def fwd(*params):
+                values = list(inputs)
+                for i, p in zip(leaves, params):
+                    values[i] = p
+                env = self.forward(values)
+                return env[self.loss], [env[f] for f in self.outputs]
+
+            with torch.enable_grad():
+                loss, vjp, values = torch.func.vjp(fwd, *[inputs[i] for i in leaves], has_aux=True)
+                grads = vjp(torch.ones_like(loss))
+            return [*grads, *values]
+        # replayed eagerly: autograd itself, as eager's backward (torch.func.vjp fails on a few programs
+        # autograd runs: HF T5's attention under bf16 autocast on the CPU)
+        with torch.enable_grad():
+            values = list(inputs)
+            params = []
+            for i in leaves:
+                p = values[i] = inputs[i].detach().requires_grad_(True)
+                params.append(p)
+            env = self.forward(values)
+            grads = torch.autograd.grad(env[self.loss], params, allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
+        return [*grads, *[env[f].detach() for f in self.outputs]]

@@ -1,0 +1,579 @@
+"""A fast recorder's segment: the calls of one forward recorded at `__torch_function__`.
+
+`Segment.record` encodes a call's arguments, takes its outputs' metadata from a cached meta run (on
+fake tensors of the step's device under autocast), and returns wrapper lazy tensors (*fast values*).
+`Segment.close` turns the segment into one `FusedStep` entry of the step's trace, `Segment.evaluate`
+computes values read before `mark_step`, `Segment.demote` re-runs the calls through the dispatcher.
+`FAST` holds the recorder's per-process state: the open segment and how the step is recorded.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+import weakref
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils import _pytree as pytree
+
+from .. import metrics as _metrics
+from ..config import CONFIG
+from .fused import FV, XV, Demote, FusedStep, NoMeta, _amp, _fv, _slots, _xv
+from .lazy_tensor import RECORDER, LazyTensor, _constant_part, _layout_key, _make_wrapper, materialize
+from .source import user_source
+from .trace import LazyStorage, out_kind
+
+__all__ = ["Segment", "FAST"]
+
+METRICS = _metrics.METRICS
+_NO_SUBCLASS = torch._C.DisableTorchFunctionSubclass
+_grad_enabled = torch.is_grad_enabled
+_is_alias_of = torch._C._is_alias_of
+_Tensor = torch.Tensor
+_GRAD = _Tensor.grad.__get__
+_RANDOM_WORDS = ("rand", "dropout", "bernoulli", "normal", "multinomial", "uniform", "rrelu", "gumbel",
+                 "exponential", "geometric", "cauchy", "poisson")
+
+
+_META_DEVICE = torch.device("meta")    # the segment's device, in a call's arguments
+
+
+def _random(func) -> bool:
+    """Does the call draw random numbers (by its name: over-inclusive is safe)?"""
+    name = _name(func).lower()
+    return any(w in name for w in _RANDOM_WORDS)
+
+
+class Recipe:
+    """What one call does to arguments of given layouts, from its run on meta tensors."""
+    __slots__ = ("spec", "leaves", "outputs", "mutated")
+
+    def __init__(self, spec, leaves, outputs, mutated) -> None:
+        self.spec = spec            # pytree spec of the result (None: a single tensor)
+        self.leaves = leaves        # the result's leaves, tensors as None
+        # per tensor leaf: (leaf index, size, stride, offset, dtype, nbytes, requires_grad, alias, same)
+        # alias: the argument slot it is a view of; same: the argument slot it is
+        self.outputs = outputs
+        self.mutated = mutated      # argument slots written in place
+
+
+class Segment:
+    """The calls of one forward (and loss) recorded at `__torch_function__`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        # (func, args, kwargs, out fids, grad enabled, result leaf of each out fid)
+        self.entries: list[tuple] = []
+        self.sig: list[tuple] = []
+        self.metas: list[tuple] = []        # fid -> (size, stride, offset, dtype, nbytes)
+        self.rg: list[bool] = []            # fid -> requires grad
+        self.root: list[int] = []           # fid -> fid of the value whose storage it views (itself if fresh)
+        self.ext_alias: dict[int, int] = {}  # fid -> input slot whose storage it views
+        self.aliased: set[int] = set()      # fids with views or that are views
+        self.objects: list[weakref.ref] = []
+        self.externals: list[torch.Tensor] = []
+        self.ext_index: dict[int, int] = {}
+        self.ext_versions: list[int] = []
+        self.started = time.perf_counter()
+        self.meta_seconds = 0.0
+        if CONFIG.gc_pause and gc.isenabled() and not RECORDER.gc_paused:
+            # as for a step recorded by the dispatcher (Recorder.dispatch): no cyclic GC while it records,
+            # which also makes the values alive at the segment's end the same every step (`close`)
+            gc.disable()
+            RECORDER.gc_paused = True       # turned on again with the next trace (Recorder.new_trace)
+
+    # ---- arguments ------------------------------------------------------------------------------
+    def external(self, t: torch.Tensor) -> XV:
+        index = self.ext_index.get(id(t))
+        if index is None:
+            if type(t) is LazyTensor:
+                if t._redirect is not None:
+                    raise Demote("a value of a demoted step")
+                if t.requires_grad and t.grad_fn is not None:
+                    raise Demote("an input with autograd history")
+                if t._backward_hooks or getattr(t, "_post_accumulate_grad_hooks", None):
+                    raise Demote("tensor hooks")
+            elif t.requires_grad:
+                raise Demote("an eager tensor that requires grad")
+            index = self.ext_index[id(t)] = len(self.externals)
+            self.externals.append(t)
+            self.ext_versions.append(t._version)
+        return _xv(index)
+
+    def encode(self, a, sig: list, slots: list):
+        t = type(a)
+        if t is LazyTensor:
+            fid = a._fid
+            if fid is not None:
+                if a._fseg is not self:
+                    raise Demote("a value of another segment")
+                sig.append(("f", fid))
+                v = _fv(fid)
+            else:
+                v = self.external(a)
+                sig.append(("x", v.index))
+            slots.append(v)
+            return v
+        if t is list or t is tuple:
+            if not a:
+                sig.append((t, 0))
+                return a
+            sig.append((t, len(a)))
+            return t(self.encode(x, sig, slots) for x in a)
+        if isinstance(a, _Tensor):
+            v = self.external(a)
+            sig.append(("x", v.index))
+            slots.append(v)
+            return v
+        if t is slice:
+            sig.append(("slice", a.start, a.stop, a.step))
+            return a
+        if t is torch.device or (t is str and a[:4] in ("cpu", "cuda", "cuda:")):
+            if torch.device(a) != self.device and not (self.device.index is None and torch.device(a).type ==
+                                                        self.device.type):
+                raise Demote("a move to another device")
+            sig.append(("device", str(a)))
+            return a
+        if t is dict:
+            raise Demote("a dict argument")
+        if t is torch.SymInt or t is torch.SymFloat or t is torch.SymBool:
+            raise Demote("a symbolic size")
+        sig.append(_constant_part(a))
+        return a
+
+    def layout_of(self, v) -> tuple:
+        if type(v) is FV:
+            return self.metas[v.fid] + (self.rg[v.fid],)
+        t = self.externals[v.index]
+        if type(t) is LazyTensor:
+            return (t._mk, t.requires_grad)
+        return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device, t.requires_grad)
+
+    def meta_of(self, v):
+        if type(v) is FV:
+            size, stride, offset, dtype, nbytes = self.metas[v.fid]
+            rg = self.rg[v.fid]
+            device = self.device
+        else:
+            t = self.externals[v.index]
+            size, stride, offset, dtype = tuple(t.shape), t.stride(), t.storage_offset(), t.dtype
+            nbytes = t._storage.nbytes if type(t) is LazyTensor else t.untyped_storage().nbytes()
+            rg = t.requires_grad
+            device = t.device
+        base = torch.empty((max(nbytes // max(dtype.itemsize, 1), 1),), dtype=dtype, device="meta")
+        if rg and type(v) is FV:
+            # a value computed in the step is not a leaf: in-place ops on it are allowed, as in eager
+            base = base.requires_grad_(True).clone()
+        m = base.as_strided(size, stride, offset)
+        if rg and type(v) is XV:
+            m = m.detach().requires_grad_(True)
+        return m, device
+
+    # ---- recording ------------------------------------------------------------------------------
+    def record(self, func, args, kwargs):
+        amp = _amp(self.device.type)
+        sig: list = [func, _grad_enabled(), amp]
+        slots: list = []
+        enc_args = tuple(self.encode(a, sig, slots) for a in args)
+        enc_kwargs = {}
+        if kwargs:
+            for k, v in kwargs.items():
+                sig.append(k)
+                enc_kwargs[k] = self.encode(v, sig, slots)
+        if not slots:
+            raise Demote("a call without tensors")
+        key = (*sig, *[self.layout_of(v) for v in slots])
+        try:
+            recipe = _RECIPES.get(key)
+        except TypeError:
+            raise Demote("an argument that cannot be hashed") from None
+        if recipe is None:
+            started = time.perf_counter()
+            try:
+                recipe = self.recipe(func, enc_args, enc_kwargs, slots, amp)
+            except NoMeta as exc:
+                return self.read_call(func, enc_args, enc_kwargs, slots, str(exc))
+            _RECIPES[key] = recipe
+            self.meta_seconds += time.perf_counter() - started
+        for slot in recipe.mutated:
+            v = slots[slot]
+            if type(v) is XV:
+                raise Demote("a write into a tensor the step did not make")
+            if v.fid in self.aliased:
+                raise Demote("a write into a value that has views")
+        out_fids = []
+        out_leaves = []     # the result leaf of each out fid
+        results = list(recipe.leaves)
+        for j, size, stride, offset, dtype, nbytes, rg, alias, same in recipe.outputs:
+            if same is not None:
+                v = slots[same]
+                obj = _find(args, kwargs, same)
+                if type(v) is XV:       # `x.to(x.dtype)`, `x.contiguous()`: the input itself, unchanged
+                    results[j] = obj
+                    continue
+                if rg and not self.rg[v.fid]:
+                    self.rg[v.fid] = True
+                out_fids.append(v.fid)
+                out_leaves.append(j)
+                results[j] = obj
+                continue
+            fid = len(self.metas)
+            self.metas.append((size, stride, offset, dtype, nbytes))
+            self.rg.append(rg)
+            root = fid
+            if alias is not None:
+                src = slots[alias]
+                if type(src) is FV:
+                    root = self.root[src.fid]
+                    self.aliased.add(fid)
+                    self.aliased.add(src.fid)
+                    self.aliased.add(root)
+                    if src.fid in self.ext_alias:
+                        self.ext_alias[fid] = self.ext_alias[src.fid]
+                else:
+                    self.ext_alias[fid] = src.index
+            self.root.append(root)
+            obj = _make_wrapper(LazyTensor, size, strides=stride, storage_offset=offset, dtype=dtype,
+                                device=self.device)
+            obj._fid = fid
+            obj._fseg = self
+            self.objects.append(weakref.ref(obj))
+            out_fids.append(fid)
+            out_leaves.append(j)
+            results[j] = obj
+        for slot in recipe.mutated:
+            v = slots[slot]
+            if recipe.outputs and any(o[8] == slot for o in recipe.outputs):
+                continue
+            out_fids.append(v.fid)      # written in place and not returned: same value id, newer data
+        self.entries.append((func, enc_args, enc_kwargs, tuple(out_fids), (sig[1], amp), tuple(out_leaves)))
+        self.sig.append(tuple(sig))
+        METRICS.fast_entries += 1
+        if recipe.spec is None:
+            return results[0]
+        return pytree.tree_unflatten(results, recipe.spec)
+
+    def recipe(self, func, enc_args, enc_kwargs, slots, amp) -> Recipe:
+        # Autocast casts only tensors of its device: under it the call runs on fake tensors of the
+        # segment's device (as torch.compile traces autocast), else on meta tensors (cheaper).
+        fake = FakeTensorMode() if amp is not None else None
+        metas = {}
+        for v in slots:
+            if id(v) not in metas:
+                m = self.meta_of(v)[0]
+                if fake is not None:
+                    m = _on_device(fake, m, self.device)
+                metas[id(v)] = m
+
+        def to_meta(a):
+            t = type(a)
+            if t is FV or t is XV:
+                return metas[id(a)]
+            if t is list or t is tuple:
+                return t(to_meta(x) for x in a)
+            if t is torch.device or t is str and a[:4] in ("cpu", "cuda", "cuda:"):
+                return _META_DEVICE if fake is None else a
+            return a
+
+        margs = [to_meta(a) for a in enc_args]
+        mkwargs = {k: to_meta(v) for k, v in enc_kwargs.items()}
+        distinct = list({id(v): metas[id(v)] for v in slots}.items())
+        before = [(m._version, m.shape, m.stride(), m.storage_offset()) for _, m in distinct]
+        try:
+            with torch.set_grad_enabled(_grad_enabled()), fake or contextlib.nullcontext():
+                out = func(*margs, **mkwargs)
+        except Exception as exc:
+            raise NoMeta("no meta kernel: %s" % _name(func)) from exc
+        written = set()
+        for (key, m), (version, shape, stride, offset) in zip(distinct, before):
+            if m.shape != shape or m.stride() != stride or m.storage_offset() != offset:
+                raise Demote("an in-place op that changes sizes")
+            if m._version != version:
+                written.add(key)
+        slot_of = {}
+        for i, v in enumerate(slots):
+            slot_of.setdefault(id(v), i)
+        mutated = tuple(slot_of[key] for key in written)
+        if isinstance(out, _Tensor):
+            leaves, spec = [out], None
+        else:
+            leaves, spec = pytree.tree_flatten(out)
+        outputs = []
+        kept = []
+        for j, o in enumerate(leaves):
+            if not isinstance(o, _Tensor):
+                kept.append(o)
+                continue
+            kept.append(None)
+            if o.device.type != ("meta" if fake is None else self.device.type):
+                raise Demote("a call that makes a tensor on another device")
+            same = alias = None
+            for key, m in distinct:
+                if o is m:
+                    same = slot_of[key]
+                    break
+                if alias is None and _is_alias_of(o, m):
+                    alias = slot_of[key]
+            outputs.append((j, tuple(o.shape), o.stride(), o.storage_offset(), o.dtype,
+                            o.untyped_storage().nbytes(), bool(o.requires_grad), alias, same))
+        if not outputs:
+            if mutated:
+                pass        # written in place, returning nothing (`x[i] = v`)
+            elif spec is None or all(not isinstance(x, _Tensor) for x in leaves):
+                raise Demote("a call returning no tensor")
+        return Recipe(spec, kept, tuple(outputs), mutated)
+
+    # ---- reads before mark_step ---------------------------------------------------------------
+    def evaluate(self, fids: list[int]) -> dict[int, torch.Tensor]:
+        """The values `fids` computed now by torch from the segment's inputs, apart from the step (which
+        computes them again): a mask's `.all()` in a forward reads a few ops. Values that depend on random
+        numbers cannot be computed apart from the step (they would differ): those demote."""
+        if CONFIG.strict:
+            raise Demote("a value read before mark_step")
+        needed = set(fids)
+        picked = []
+        for i in range(len(self.entries) - 1, -1, -1):
+            entry = self.entries[i]
+            if any(f in needed for f in entry[3]):
+                if _random(entry[0]):
+                    raise Demote("a value read before mark_step that depends on random numbers")
+                picked.append(entry)
+                for v in _slots((entry[1], entry[2])):
+                    if type(v) is FV:
+                        needed.add(v.fid)
+        inputs = [materialize(t).detach() if type(t) is LazyTensor else t for t in self.externals]
+        step = FusedStep(tuple(reversed(picked)), len(inputs), (), None, (), self.device.type)
+        with torch.no_grad():
+            env = step.forward(inputs)
+        METRICS.materializations += 1
+        METRICS.materialization_sources[user_source(3) or "?"] += 1
+        METRICS.fast_reads += 1
+        return env
+
+    def read_call(self, func, enc_args, enc_kwargs, slots, reason: str):
+        """A call no meta kernel describes, on values computed now: its result if it holds no tensor (a
+        read: `bool(mask.all())`); otherwise (a data-dependent shape) the segment is demoted."""
+        env = self.evaluate([v.fid for v in slots if type(v) is FV])
+        ext = self.externals
+
+        def real(a):
+            t = type(a)
+            if t is FV:
+                return env[a.fid]
+            if t is XV:
+                x = ext[a.index]
+                return materialize(x) if type(x) is LazyTensor else x
+            if t is list or t is tuple:
+                return t(real(x) for x in a)
+            return a
+
+        try:
+            out = func(*[real(a) for a in enc_args], **{k: real(v) for k, v in enc_kwargs.items()})
+        except Exception:
+            raise Demote(reason) from None      # eager's error, raised again by the demoted step
+        if any(isinstance(x, _Tensor) for x in pytree.tree_leaves(out)):
+            raise Demote(reason)
+        return out
+
+    # ---- the end of a segment ------------------------------------------------------------------
+    def alive(self) -> list[LazyTensor]:
+        out = []
+        for ref in self.objects:
+            o = ref()
+            if o is not None and o._fseg is self:
+                out.append(o)
+        return out
+
+    def demote(self, reason: str) -> None:
+        """Run every call again through the ATen-level recorder, with autograd; the fast values the user
+        holds forward to the results from now on."""
+        FAST.segment = None
+        FAST.demoted = FAST.redirected = True
+        METRICS.fast_demotions[reason] += 1
+        env = FusedStep(tuple(self.entries), len(self.externals), (), None, (),
+                        self.device.type).forward(list(self.externals))
+        for o in self.alive():
+            if o._fid in env:
+                o._redirect = env[o._fid]
+            o._fid = None
+            o._fseg = None
+
+    def close(self, loss: LazyTensor | None) -> None:
+        """Record the segment as one entry of the step's trace; `loss`: the value `backward()` was called on."""
+        if RECORDER.gc_paused:
+            # Values held only by reference cycles (frames of an exception caught in a forward) look alive
+            # and would become outputs, and the next step's key would differ: collected first. The young
+            # generation holds everything this forward made, since the GC was paused.
+            gc.collect(0)
+        alive = self.alive()
+        for o in alive:
+            if o._fid in self.ext_alias:
+                raise Demote("a view of a parameter or input kept past the backward")
+        for t, version in zip(self.externals, self.ext_versions):
+            if t._version != version:
+                raise RuntimeError(
+                    "pydisc: an eager tensor of shape %s was modified in place after a lazy op used it in "
+                    "this step. Pass a copy (`t.clone()`) to the lazy computation, or call "
+                    "pydisc.mark_step() before modifying it." % (tuple(t.shape),))
+        leaves = self.leaves(loss._fid) if loss is not None else ()
+        roots = []
+        for o in alive:
+            r = self.root[o._fid]
+            if r not in roots:
+                roots.append(r)
+        views = [o for o in alive if self.root[o._fid] != o._fid]
+        value_fids = roots + [o._fid for o in views]
+        FAST.segment = None
+        METRICS.fast_segments += 1
+        rec = RECORDER
+        with rec.lock:
+            trace = rec.trace
+            if not trace.entries:
+                rec.trace_started = self.started
+                rec.meta_seconds = 0.0
+            rec.meta_seconds += self.meta_seconds
+            epoch = trace.epoch
+            sig: list = ["fused", tuple(self.sig), leaves, loss._fid if loss is not None else None,
+                         tuple(value_fids)]
+            reads: list = []
+            enc_args = [rec.encode(x, sig, reads) for x in self.externals]
+            kind = out_kind(len(trace.entries))
+            out_vids = []
+            grads = []
+            for i in leaves:
+                p = self.externals[i]
+                size = tuple(p.shape)
+                stride = p.stride() if p.is_contiguous() and p.storage_offset() == 0 else _contiguous(size)
+                nbytes = p.numel() * p.element_size()
+                g = self._new_value(trace, kind, size, stride, 0, p.dtype, nbytes, None, epoch)
+                out_vids.append(g._vid)
+                grads.append((p, g))
+            storages = {}
+            by_fid = {o._fid: o for o in alive}
+            for fid in value_fids:
+                size, stride, offset, dtype, nbytes = self.metas[fid]
+                o = by_fid.get(fid)
+                r = self.root[fid]
+                storage = storages.get(r) if r != fid else None
+                t = self._new_value(trace, kind, size, stride, offset, dtype, nbytes, storage, epoch, o)
+                if r == fid:
+                    storages[fid] = t._storage
+                out_vids.append(t._vid)
+            fused = FusedStep(tuple(self.entries), len(self.externals), leaves,
+                              loss._fid if loss is not None else None, tuple(value_fids), self.device.type)
+            from .trace import Entry
+            trace.entries.append(Entry(fused, enc_args, {}, tuple(out_vids), list, tuple(reads), (),
+                                       tuple(sig), user_source(4)))
+            METRICS.recorded_ops += 1
+            for p, g in grads:
+                with _NO_SUBCLASS():
+                    if _GRAD(p) is None:
+                        p.grad = g
+                    else:
+                        p.grad.add_(g)
+        for o in alive:
+            o._fid = None
+            o._fseg = None
+
+    def _new_value(self, trace, kind, size, stride, offset, dtype, nbytes, storage, epoch, obj=None):
+        fresh = storage is None
+        if fresh:
+            storage = LazyStorage(nbytes, None, epoch, RECORDER.step_id)
+        if obj is None:
+            obj = LazyTensor(size, stride, offset, dtype, self.device, storage)
+        else:
+            obj._storage = storage
+            obj._mk = _layout_key(size, tuple(stride), offset, dtype, storage.nbytes, self.device)
+        vid = trace.new_value(kind, storage, (size, tuple(stride), offset, dtype))
+        if fresh:
+            storage.creator = vid
+        obj._vid = vid
+        obj._epoch = epoch
+        trace.tensors[vid] = weakref.ref(obj)
+        return obj
+
+    def leaves(self, loss: int) -> tuple:
+        """Input slots that get a gradient: parameters (leaves that require grad) the loss depends on
+        through values that require grad, as autograd's graph would connect them."""
+        needed = {loss}
+        reached = set()
+        for func, args, kwargs, out_fids, _, _ in reversed(self.entries):
+            if not any(f in needed and self.rg[f] for f in out_fids):
+                continue
+            for v in _slots((args, kwargs)):
+                if type(v) is FV:
+                    if self.rg[v.fid]:
+                        needed.add(v.fid)
+                else:
+                    reached.add(v.index)
+        out = []
+        for i in sorted(reached):
+            t = self.externals[i]
+            if type(t) is LazyTensor and t.requires_grad:
+                out.append(i)
+        return tuple(out)
+
+
+def _name(func) -> str:
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or str(func)
+    return name.replace("TensorBase.", "Tensor.").replace("_TensorBase.", "Tensor.")
+
+
+def _contiguous(size) -> tuple:
+    stride, acc = [], 1
+    for s in reversed(size):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
+def _on_device(mode: FakeTensorMode, m: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A fake tensor of `device` with meta tensor `m`'s layout and requires_grad (views keep theirs)."""
+    with mode:
+        base = torch.empty_strided((m.untyped_storage().nbytes() // max(m.dtype.itemsize, 1),), (1,),
+                                   dtype=m.dtype, device=device)
+        if m.requires_grad and not m.is_leaf:
+            base = base.requires_grad_(True).clone()
+        out = base.as_strided(m.shape, m.stride(), m.storage_offset())
+        if m.requires_grad and m.is_leaf:
+            out = out.detach().requires_grad_(True)
+    return out
+
+
+def _find(args, kwargs, slot: int):
+    """The argument object at tensor slot `slot` (in encoding order)."""
+    found = []
+
+    def walk(a):
+        if isinstance(a, _Tensor):
+            found.append(a)
+        elif type(a) is list or type(a) is tuple:
+            for x in a:
+                walk(x)
+
+    for a in args:
+        walk(a)
+    for v in (kwargs or {}).values():
+        walk(v)
+    return found[slot]
+
+
+_RECIPES: dict[tuple, Recipe] = {}
+
+
+class _Fast:
+    """The fast recorder's per-process state: the open segment and whether this step was demoted."""
+
+    def __init__(self) -> None:
+        self.segment: Segment | None = None
+        self.armed = False          # a lazy module's forward began: its first call opens a segment
+        self.owner = 0              # ... on this thread (other threads' calls take the dispatcher's path)
+        self.demoted = False
+        self.redirected = False     # some segment was demoted: its fast values may still be around
+        self.gate = None            # a function saying whether segments may start (dynamic shapes)
+        self.default = "off"        # devices whose lazy modules (with no `fast_record` of their own) record fast
+        self.refused = None         # why no more segments start in this process (a fused step that failed)
+
+
+FAST = _Fast()
