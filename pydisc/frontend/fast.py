@@ -170,7 +170,9 @@ def flush() -> None:
 
 
 def _default(func, args, kwargs):
-    if _has_fast(args) or (kwargs and _has_fast(tuple(kwargs.values()))):
+    # fast values exist only in an open segment, or forward to a demoted step's tensors
+    if (FAST.segment is not None or FAST.redirected) and (
+            _has_fast(args) or (kwargs and _has_fast(tuple(kwargs.values())))):
         args = _resolved(args)
         kwargs = _resolved(kwargs) if kwargs else kwargs
     with _NO_SUBCLASS():
