@@ -45,6 +45,7 @@ class StepPlan:
     graph: Any = None                                     # its CUDA graph, once run (exec/graphs.StepGraph)
     runs: int = 0                                         # counted for PYDISC_CHECK (pydisc/step_check.py)
     value_check: bool = False                             # its last result: a value eager raises on (cluster/value_checks.py)
+    fused_forwards: int = 0                               # forwards in it the fast recorder recorded (FusedStep entries)
 
 
 class CompiledCluster(torch.nn.Module):
@@ -350,7 +351,11 @@ def build_plan(program: Program, inputs: list[torch.Tensor], device: torch.devic
     worker.join()
     if isinstance(result[0], BaseException):
         raise result[0]
-    return result[0]
+    plan = result[0]
+    plan.fused_forwards = sum(isinstance(e[0], FusedStep) for e in program.entries)
+    log("plans", "the step was recorded %s", "by the fast recorder (%d forwards)" % plan.fused_forwards
+        if plan.fused_forwards else "op by op (the dispatcher)")
+    return plan
 
 
 def _eager_plan(program: Program, sources: list[str | None]) -> StepPlan:
