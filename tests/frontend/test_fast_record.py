@@ -225,6 +225,16 @@ def test_hf_models_train_like_eager_on_the_fast_path(name: str, fast_recording, 
     m = run.metrics
     assert m["fast_demotions"] == {} and m["fast_segments"] >= 3, (m["fast_demotions"], m["fast_segments"])
     assert m["fallback_ops"] == {} and m["plans_compiled"] == 1, (m["fallback_ops"], m["plans_compiled"])
+    # and the dispatch recorder's step, from the same weights and batches, gives the same model
+    fast.uninstall()
+    try:
+        slow = hf_models.train_side_by_side(name, steps=4)
+    finally:
+        fast.install()
+    assert slow.metrics["fast_segments"] == 0
+    torch.testing.assert_close(torch.tensor(run.lazy_losses), torch.tensor(slow.lazy_losses), rtol=1e-5, atol=1e-5)
+    for (key, a), b in zip(run.lazy_model.named_parameters(), slow.lazy_model.parameters()):
+        torch.testing.assert_close(a.detach().cpu(), b.detach().cpu(), rtol=1e-4, atol=1e-4, msg=key)
 
 
 def _autocast_ce(dtype):
