@@ -189,14 +189,14 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
         if func in _AUTOGRAD_STATE:
             x = args[0] if args else None
             if seg is not None and type(x) is LazyTensor and x._fid is not None and x._fseg is seg:
-                if func is _REQUIRES_GRAD:
+                # (compared with ==: each access makes a new method-wrapper)
+                if func == _REQUIRES_GRAD:
                     return seg.rg[x._fid]
-                if func is _IS_LEAF:
+                if func == _IS_LEAF:
                     return not seg.rg[x._fid]
-                if func is _GRAD_FN or func is _GRAD:
-                    return None
+                # grad_fn (module backward hooks read it to attach theirs), .grad, hooks: not followed
                 seg.demote(_AUTOGRAD_STATE[func])
-            elif seg is not None and func not in _READS_OF_AUTOGRAD and func is not _GRAD_SET:
+            elif seg is not None and func not in _READS_OF_AUTOGRAD and func != _GRAD_SET:
                 seg.demote(_AUTOGRAD_STATE[func])     # a hook or requires_grad change on a parameter
             return _default(func, args, kwargs)
         if seg is None:
@@ -267,8 +267,10 @@ _ORIGINAL_APPLY = torch.autograd.Function.__dict__["apply"]
 
 def _apply(cls, *args, **kwargs):
     """`autograd.Function.apply`: its backward is its own, which a fast segment cannot follow."""
-    if FAST.segment is not None and (_has_fast(args) or _has_fast(tuple(kwargs.values()))):
-        FAST.segment.demote("autograd.Function (%s)" % cls.__name__)
+    seg = FAST.segment
+    if seg is not None and FAST.owner == _thread():
+        # even on parameters alone: its forward's calls would be recorded without its backward
+        seg.demote("autograd.Function (%s)" % cls.__name__)
     if _has_fast(args) or _has_fast(tuple(kwargs.values())):
         args, kwargs = _resolved(args), _resolved(kwargs)
     return _ORIGINAL_APPLY.__func__(cls, *args, **kwargs)

@@ -291,6 +291,7 @@ _FLIPPED = "_pydisc_foreach_groups"     # the optimizer's attribute: the groups 
 
 
 def _foreach_for_lazy_groups(optimizer, args, kwargs) -> None:
+    _foreach_put_back(optimizer, args, kwargs)     # a step that raised did not put them back
     flipped = []
     for group in optimizer.param_groups:
         params = group.get("params")

@@ -157,7 +157,8 @@ class FusedStep:
             with torch.enable_grad():
                 loss, vjp, values = torch.func.vjp(fwd, *[inputs[i] for i in leaves], has_aux=True)
                 grads = vjp(torch.ones_like(loss))
-            return [*grads, *values]
+            # (the segment declares the gradients contiguous, Segment.close)
+            return [*[g.contiguous() for g in grads], *values]
         # replayed eagerly: autograd itself, as eager's backward (torch.func.vjp fails on a few programs
         # autograd runs: HF T5's attention under bf16 autocast on the CPU)
         with torch.enable_grad():
@@ -168,5 +169,5 @@ class FusedStep:
                 params.append(p)
             env = self.forward(values)
             grads = torch.autograd.grad(env[self.loss], params, allow_unused=True)
-        grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
+        grads = [torch.zeros_like(p) if g is None else g.contiguous() for g, p in zip(grads, params)]
         return [*grads, *[env[f].detach() for f in self.outputs]]

@@ -15,6 +15,7 @@ import weakref
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils import _pytree as pytree
 
 from .. import metrics as _metrics
@@ -45,17 +46,63 @@ def _random(func) -> bool:
     return any(w in name for w in _RANDOM_WORDS)
 
 
+class _SeededOps(TorchDispatchMode):
+    """Notes whether a call's meta run dispatches an op that draws random numbers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _SEEDED in func.tags and _dropout_p(func, args, kwargs) != 0.0:
+            self.seen = True
+        return func(*args, **(kwargs or {}))
+
+
+def _dropout_p(func, args, kwargs):
+    """The `dropout_p` argument of an op that has one (attention kernels are tagged as seeded, and draw
+    only with dropout), else None."""
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == "dropout_p":
+            if kwargs and "dropout_p" in kwargs:
+                return kwargs["dropout_p"]
+            return args[i] if i < len(args) else a.default_value
+    return None
+
+
+_SEEDED = torch.Tag.nondeterministic_seeded
+
+
+def _grad_node(m: torch.Tensor):
+    """The autograd node a gradient of `m` flows into (its grad_fn, or its AccumulateGrad)."""
+    return m.grad_fn if m.grad_fn is not None else torch.autograd.graph.get_gradient_edge(m).node
+
+
+def _reached(roots) -> set:
+    seen, todo = set(), [r for r in roots if r is not None]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        todo.extend(n for n, _ in node.next_functions if n is not None)
+    return seen
+
+
 class Recipe:
     """What one call does to arguments of given layouts, from its run on meta tensors."""
-    __slots__ = ("spec", "leaves", "outputs", "mutated")
+    __slots__ = ("spec", "leaves", "outputs", "mutated", "mutated_rg", "connected", "random")
 
-    def __init__(self, spec, leaves, outputs, mutated) -> None:
+    def __init__(self, spec, leaves, outputs, mutated, mutated_rg, connected, random) -> None:
         self.spec = spec            # pytree spec of the result (None: a single tensor)
         self.leaves = leaves        # the result's leaves, tensors as None
         # per tensor leaf: (leaf index, size, stride, offset, dtype, nbytes, requires_grad, alias, same)
         # alias: the argument slot it is a view of; same: the argument slot it is
         self.outputs = outputs
         self.mutated = mutated      # argument slots written in place
+        self.mutated_rg = mutated_rg    # ... and whether each requires grad after the write
+        self.connected = connected  # argument slots autograd's graph of the results reaches
+        self.random = random        # it draws random numbers (an ATen op tagged nondeterministic_seeded)
 
 
 class Segment:
@@ -66,6 +113,7 @@ class Segment:
         # (func, args, kwargs, out fids, grad enabled, result leaf of each out fid)
         self.entries: list[tuple] = []
         self.sig: list[tuple] = []
+        self.links: list[tuple] = []        # per entry: (argument slots its results' gradients reach, random)
         self.metas: list[tuple] = []        # fid -> (size, stride, offset, dtype, nbytes)
         self.rg: list[bool] = []            # fid -> requires grad
         self.root: list[int] = []           # fid -> fid of the value whose storage it views (itself if fresh)
@@ -127,8 +175,12 @@ class Segment:
             slots.append(v)
             return v
         if t is slice:
+            if any(isinstance(x, _Tensor) for x in (a.start, a.stop, a.step)):
+                raise Demote("a tensor in a slice")
             sig.append(("slice", a.start, a.stop, a.step))
             return a
+        if isinstance(a, (list, tuple)) and any(isinstance(x, _Tensor) for x in pytree.tree_leaves(a)):
+            raise Demote("tensors in a %s" % t.__name__)   # a namedtuple, a list subclass
         if t is torch.device or (t is str and a[:4] in ("cpu", "cuda", "cuda:")):
             if torch.device(a) != self.device and not (self.device.index is None and torch.device(a).type ==
                                                         self.device.type):
@@ -200,6 +252,8 @@ class Segment:
             v = slots[slot]
             if type(v) is XV:
                 raise Demote("a write into a tensor the step did not make")
+            if v.fid in self.ext_alias:
+                raise Demote("a write into a tensor the step did not make")     # through a view of it
             if v.fid in self.aliased:
                 raise Demote("a write into a value that has views")
         out_fids = []
@@ -242,13 +296,16 @@ class Segment:
             out_fids.append(fid)
             out_leaves.append(j)
             results[j] = obj
-        for slot in recipe.mutated:
+        for slot, rg in zip(recipe.mutated, recipe.mutated_rg):
             v = slots[slot]
+            if rg:
+                self.rg[v.fid] = True   # `buf[:, :3] = a(x)`: buf requires grad from now on
             if recipe.outputs and any(o[8] == slot for o in recipe.outputs):
                 continue
             out_fids.append(v.fid)      # written in place and not returned: same value id, newer data
         self.entries.append((func, enc_args, enc_kwargs, tuple(out_fids), (sig[1], amp), tuple(out_leaves)))
         self.sig.append(tuple(sig))
+        self.links.append((recipe.connected, recipe.random))
         METRICS.fast_entries += 1
         if recipe.spec is None:
             return results[0]
@@ -280,8 +337,11 @@ class Segment:
         mkwargs = {k: to_meta(v) for k, v in enc_kwargs.items()}
         distinct = list({id(v): metas[id(v)] for v in slots}.items())
         before = [(m._version, m.shape, m.stride(), m.storage_offset()) for _, m in distinct]
+        grad = _grad_enabled()
+        nodes = {key: _grad_node(m) for key, m in distinct if grad and m.requires_grad}
+        seeded = _SeededOps()
         try:
-            with torch.set_grad_enabled(_grad_enabled()), fake or contextlib.nullcontext():
+            with torch.set_grad_enabled(grad), fake or contextlib.nullcontext(), seeded:
                 out = func(*margs, **mkwargs)
         except Exception as exc:
             raise NoMeta("no meta kernel: %s" % _name(func)) from exc
@@ -295,10 +355,18 @@ class Segment:
         for i, v in enumerate(slots):
             slot_of.setdefault(id(v), i)
         mutated = tuple(slot_of[key] for key in written)
+        mutated_rg = tuple(bool(m.requires_grad) for key, m in distinct if key in written)
         if isinstance(out, _Tensor):
             leaves, spec = [out], None
         else:
             leaves, spec = pytree.tree_flatten(out)
+        connected = frozenset()
+        if nodes:
+            # the arguments a gradient of the results (or of what was written in place) reaches, as
+            # autograd's graph connects them: not a size or dtype source (`type_as`), not a no_grad use
+            reached = _reached([o.grad_fn for o in leaves if isinstance(o, _Tensor)] +
+                               [m.grad_fn for key, m in distinct if key in written])
+            connected = frozenset(slot_of[key] for key, node in nodes.items() if node in reached)
         outputs = []
         kept = []
         for j, o in enumerate(leaves):
@@ -322,7 +390,8 @@ class Segment:
                 pass        # written in place, returning nothing (`x[i] = v`)
             elif spec is None or all(not isinstance(x, _Tensor) for x in leaves):
                 raise Demote("a call returning no tensor")
-        return Recipe(spec, kept, tuple(outputs), mutated)
+        return Recipe(spec, kept, tuple(outputs), mutated, mutated_rg, connected,
+                      seeded.seen or _random(func))
 
     # ---- reads before mark_step ---------------------------------------------------------------
     def evaluate(self, fids: list[int]) -> dict[int, torch.Tensor]:
@@ -336,7 +405,7 @@ class Segment:
         for i in range(len(self.entries) - 1, -1, -1):
             entry = self.entries[i]
             if any(f in needed for f in entry[3]):
-                if _random(entry[0]):
+                if self.links[i][1]:
                     raise Demote("a value read before mark_step that depends on random numbers")
                 picked.append(entry)
                 for v in _slots((entry[1], entry[2])):
@@ -368,12 +437,17 @@ class Segment:
                 return t(real(x) for x in a)
             return a
 
+        args = [real(a) for a in enc_args]
+        kwargs = {k: real(v) for k, v in enc_kwargs.items()}
+        tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, _Tensor)]
+        versions = [x._version for x in tensors]
         try:
-            out = func(*[real(a) for a in enc_args], **{k: real(v) for k, v in enc_kwargs.items()})
+            out = func(*args, **kwargs)
         except Exception:
             raise Demote(reason) from None      # eager's error, raised again by the demoted step
-        if any(isinstance(x, _Tensor) for x in pytree.tree_leaves(out)):
-            raise Demote(reason)
+        if any(isinstance(x, _Tensor) for x in pytree.tree_leaves(out)) or \
+                any(x._version != v for x, v in zip(tensors, versions)):
+            raise Demote(reason)    # a data-dependent shape, or a write (`h[:, n] = 0`, n a tensor)
         return out
 
     # ---- the end of a segment ------------------------------------------------------------------
@@ -412,11 +486,17 @@ class Segment:
                 raise Demote("a view of a parameter or input kept past the backward")
         for t, version in zip(self.externals, self.ext_versions):
             if t._version != version:
+                self.abandon(alive)
                 raise RuntimeError(
                     "pydisc: an eager tensor of shape %s was modified in place after a lazy op used it in "
                     "this step. Pass a copy (`t.clone()`) to the lazy computation, or call "
                     "pydisc.mark_step() before modifying it." % (tuple(t.shape),))
-        leaves = self.leaves(loss._fid) if loss is not None else ()
+        leaves, needed = self.leaves(loss._fid) if loss is not None else ((), set())
+        for o in alive:
+            if self.rg[o._fid] and o._fid not in needed:
+                # eager could still differentiate it (a GAN's detached fake, a backward after mark_step)
+                raise Demote("a value that requires grad kept past the backward, outside the loss's graph"
+                             if loss is not None else "a value that requires grad kept past mark_step")
         roots = []
         for o in alive:
             r = self.root[o._fid]
@@ -493,15 +573,20 @@ class Segment:
         trace.tensors[vid] = weakref.ref(obj)
         return obj
 
-    def leaves(self, loss: int) -> tuple:
+    def leaves(self, loss: int) -> tuple[tuple, set]:
         """Input slots that get a gradient: parameters (leaves that require grad) the loss depends on
-        through values that require grad, as autograd's graph would connect them."""
+        through values that require grad, connected as autograd's graph of each call connects them
+        (`Recipe.connected`); and the values the loss's gradient flows through."""
         needed = {loss}
         reached = set()
-        for func, args, kwargs, out_fids, _, _ in reversed(self.entries):
+        for i in range(len(self.entries) - 1, -1, -1):
+            func, args, kwargs, out_fids, _, _ = self.entries[i]
             if not any(f in needed and self.rg[f] for f in out_fids):
                 continue
-            for v in _slots((args, kwargs)):
+            connected = self.links[i][0]
+            for k, v in enumerate(_slots((args, kwargs))):
+                if k not in connected:
+                    continue
                 if type(v) is FV:
                     if self.rg[v.fid]:
                         needed.add(v.fid)
@@ -512,7 +597,14 @@ class Segment:
             t = self.externals[i]
             if type(t) is LazyTensor and t.requires_grad:
                 out.append(i)
-        return tuple(out)
+        return tuple(out), needed
+
+    def abandon(self, alive: list) -> None:
+        """The step raised (as eager's backward would): the segment is closed, its values hold nothing."""
+        FAST.segment = None
+        for o in alive:
+            o._fid = None
+            o._fseg = None
 
 
 def _name(func) -> str:
