@@ -38,7 +38,6 @@ METRICS = _metrics.METRICS
 _NO_SUBCLASS = torch._C.DisableTorchFunctionSubclass
 _grad_enabled = torch.is_grad_enabled
 _thread = threading.get_ident
-_autocast = torch._C._is_any_autocast_enabled
 _functorch = torch._C._are_functorch_transforms_active
 _modes = torch._C._len_torch_dispatch_stack
 _Tensor = torch.Tensor
