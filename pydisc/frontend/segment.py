@@ -21,9 +21,10 @@ from torch.utils import _pytree as pytree
 from .. import metrics as _metrics
 from ..config import CONFIG
 from .fused import FV, XV, Demote, FusedStep, NoMeta, _amp, _fv, _slots, _xv
-from .lazy_tensor import RECORDER, LazyTensor, _constant_part, _layout_key, _make_wrapper, materialize
+from .lazy_tensor import (RECORDER, LazyTensor, _constant_part, _contiguous_strides, _layout_key, _make_wrapper,
+                          materialize)
 from .source import user_source
-from .trace import LazyStorage, out_kind
+from .trace import Entry, LazyStorage, out_kind
 
 __all__ = ["Segment", "FAST"]
 
@@ -524,7 +525,7 @@ class Segment:
             for i in leaves:
                 p = self.externals[i]
                 size = tuple(p.shape)
-                stride = p.stride() if p.is_contiguous() and p.storage_offset() == 0 else _contiguous(size)
+                stride = p.stride() if p.is_contiguous() and p.storage_offset() == 0 else _contiguous_strides(size)
                 nbytes = p.numel() * p.element_size()
                 g = self._new_value(trace, kind, size, stride, 0, p.dtype, nbytes, None, epoch)
                 out_vids.append(g._vid)
@@ -542,7 +543,6 @@ class Segment:
                 out_vids.append(t._vid)
             fused = FusedStep(tuple(self.entries), len(self.externals), leaves,
                               loss._fid if loss is not None else None, tuple(value_fids), self.device.type)
-            from .trace import Entry
             trace.entries.append(Entry(fused, enc_args, {}, tuple(out_vids), list, tuple(reads), (),
                                        tuple(sig), user_source(4)))
             METRICS.recorded_ops += 1
@@ -610,14 +610,6 @@ class Segment:
 def _name(func) -> str:
     name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or str(func)
     return name.replace("TensorBase.", "Tensor.").replace("_TensorBase.", "Tensor.")
-
-
-def _contiguous(size) -> tuple:
-    stride, acc = [], 1
-    for s in reversed(size):
-        stride.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(stride))
 
 
 def _on_device(mode: FakeTensorMode, m: torch.Tensor, device: torch.device) -> torch.Tensor:

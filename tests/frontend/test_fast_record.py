@@ -259,7 +259,7 @@ def test_autocast_is_followed_and_trains_like_eager_and_the_dispatch_path(fast_r
     # bf16 keeps 8 bits of mantissa: eager and the compiled step round in different places
     _assert_same(ref, model, losses, lazy_losses, tol=2e-2)
     for p in model.parameters():
-        assert p.dtype == torch.float32 and p.grad is None or p.grad.dtype == torch.float32
+        assert p.dtype == torch.float32 and (p.grad is None or p.grad.dtype == torch.float32)
     fast.uninstall()
     try:
         slow = _train(Block, forward)
