@@ -16,7 +16,7 @@ import torch
 
 from .config import CONFIG
 from .diagnostics import explain_recompile, log, warn_once
-from .frontend.lazy_tensor import (PRUNE_FIRST_AT, RECORDER, LazyTensor, _flat_base, _layout, _view_of_base,
+from .frontend.lazy_tensor import (PRUNE_FIRST_AT, RECORDER, LazyTensor, _flat_base, _layout, _view_of_base, materialize,
                                    set_executor)
 from . import background, dynamic, optimizer_state, step_choice
 from .dynamic import Binding
@@ -187,6 +187,7 @@ def run_pending(target: LazyTensor | None = None, reason: str = "mark_step") -> 
         except BaseException as exc:
             RECORDER.new_trace()
             RECORDER.end_step()
+            RECORDER.grad_inputs = []
             optimizer_state.abandoned()
             if _is_out_of_memory(exc):
                 raise _out_of_memory(exc, trace) from exc
@@ -205,6 +206,24 @@ def run_pending(target: LazyTensor | None = None, reason: str = "mark_step") -> 
         if reason == "mark_step" and target is None:
             background.note_step()
             step_choice.after_mark_step(*ran, recorded)
+        pairs = RECORDER.grad_inputs if reason == "mark_step" else []
+        if pairs:
+            RECORDER.grad_inputs = []
+    if pairs:
+        _pass_on_input_grads(pairs)
+
+
+def _pass_on_input_grads(pairs: list) -> None:
+    """Hand the gradients the step's lazy leaves got on to the inputs they stand for, as eager's
+    backward would have: accumulated into a leaf's `.grad`, or on through the graph that made it."""
+    tensors, grads = [], []
+    for real, leaf in pairs:
+        g = leaf.grad
+        if g is not None:
+            tensors.append(real)
+            grads.append((materialize(g, reason="input grad") if type(g) is LazyTensor else g).detach())
+    if tensors:
+        torch.autograd.backward(tensors, grads)
 
 
 def _run(trace: Trace, target: LazyTensor | None) -> tuple:

@@ -217,13 +217,19 @@ def to_lazy(real: torch.Tensor, *, step_input: bool = False) -> LazyTensor:
     if isinstance(real, LazyTensor):
         return real
     storage = LazyStorage(real.untyped_storage().nbytes(), _flat_base(real))
+    # an input that requires grad is a leaf of the step's graph; mark_step hands its gradient on to
+    # `real` (`Recorder.grad_inputs`)
+    grad = step_input and real.requires_grad and torch.is_grad_enabled()
+    t = None
     if step_input:
         with RECORDER.lock:
-            t = RECORDER.symbolic_input(real, storage)
-        if t is not None:
-            return t
-    return LazyTensor(tuple(real.shape), real.stride(), real.storage_offset(), real.dtype, real.device,
-                      storage, real=real.detach())
+            t = RECORDER.symbolic_input(real, storage, grad)
+    if t is None:
+        t = LazyTensor(tuple(real.shape), real.stride(), real.storage_offset(), real.dtype, real.device,
+                       storage, real=real.detach(), requires_grad=grad)
+    if grad:
+        RECORDER.grad_inputs.append((real, t))
+    return t
 
 
 def _layout(t: LazyTensor) -> tuple:
@@ -353,6 +359,9 @@ class Recorder:
         # in meta kernels: how long recording a step takes once its ops are all known (step_choice.py)
         self.trace_started = 0.0
         self.meta_seconds = 0.0
+        # Step inputs that require grad, (the user's tensor, its lazy leaf): at mark_step the leaf's
+        # gradient is passed on with `torch.autograd.backward(tensor, grad)` (pydisc/step.py)
+        self.grad_inputs: list[tuple[torch.Tensor, LazyTensor]] = []
         # frontend/fast.py, where installed: the device data of a fast value read before mark_step
         self.fast_read: Callable[[LazyTensor], torch.Tensor] | None = None
 
@@ -379,7 +388,7 @@ class Recorder:
         self.step_id += 1
 
     # ---- symbolic steps --------------------------------------------------------------------------
-    def symbolic_input(self, real: torch.Tensor, storage: LazyStorage) -> LazyTensor | None:
+    def symbolic_input(self, real: torch.Tensor, storage: LazyStorage, requires_grad: bool) -> LazyTensor | None:
         ordinal = self.inputs_seen
         self.inputs_seen += 1
         storage.ordinal = ordinal
@@ -396,7 +405,8 @@ class Recorder:
             return None
         session.conversions[ordinal] = (storage, made, real.dim())
         storage.nbytes = _numel(size) * real.element_size()
-        t = LazyTensor(size, stride, 0, real.dtype, real.device, storage, real=real.detach())
+        t = LazyTensor(size, stride, 0, real.dtype, real.device, storage, real=real.detach(),
+                       requires_grad=requires_grad)
         t._fake = session.fake_symbolic(size, stride, real.dtype, real.device)
         t._fake_sid = session.id
         return t

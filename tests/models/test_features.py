@@ -524,3 +524,29 @@ def test_failed_step_does_not_poison_later_steps() -> None:
         pydisc.mark_step()                            # raises the same RuntimeError again
         assert y.cpu().tolist() == [2.0, 2.0]
     """)
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["dispatch", "fast"])
+def test_inputs_that_require_grad_get_eager_gradients(fast: bool) -> None:
+    """A step input that requires grad gets the gradient eager's backward gives it: a leaf (saliency,
+    adversarial inputs) in its `.grad`, a value an eager module made on through that module's graph;
+    a lazy module without parameters then still has an output that requires grad."""
+    torch.manual_seed(0)
+    front, model = nn.Linear(IN, IN), tiny_mlp()
+    lazy_front, lazy_model = copy.deepcopy(front), pydisc.lazy(copy.deepcopy(model), fast_record=fast)
+    act = pydisc.lazy(nn.Tanh(), fast_record=fast)
+    for x, y in data(3):
+        x, x_lazy = x.clone().requires_grad_(), x.clone().requires_grad_()
+        F.cross_entropy(model(front(x)), y).backward()
+        F.cross_entropy(lazy_model(lazy_front(x_lazy)), y).backward()
+        torch.tanh(x).sum().backward()
+        out = act(x_lazy)
+        assert out.requires_grad
+        out.sum().backward()
+        assert x_lazy.grad is None        # handed on at mark_step
+        pydisc.mark_step()
+        torch.testing.assert_close(x_lazy.grad, x.grad)
+        for p, q in zip(front.parameters(), lazy_front.parameters()):
+            torch.testing.assert_close(q.grad, p.grad)
+    for p, q in zip(model.parameters(), lazy_model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad)
