@@ -27,7 +27,9 @@ GPT-2 inference (syncs at the ends of blocks, captures) on a machine that did no
 Eager kept is not watched: with no recording, a loop that turns to other steps (sampling after
 training) cannot be told from a machine that changed.
 
-Before any of that, once per process, a step that could never win is caught without compiling: a
+Before any of that, once per process (and again, up to `RECHECKS` times, when the steps turn to the
+other recording path: the fast recorder's steps, then op by op once sizes are dynamic), a step that
+could never win is caught without compiling: a
 compiled step takes at least as long as recording it (the device may overlap the step before, the
 host cannot skip its recording). After the second step that records ops, the live lazy tensors are
 released and the next step runs plainly in torch, timed from mark_step to mark_step. Where recording
@@ -74,6 +76,8 @@ class _State:
         self.steps = 0             # steps of that window so far, its untimed first step included
         self.times: dict[str, list[float]] = {"compiled": [], "eager": []}   # seconds per step, per window
         self.recorded_steps = 0    # steps that recorded ops, until the probe (at PROBE_AFTER)
+        self.probed: bool | None = None    # whether the probed step was fast-recorded (`fused`)
+        self.reprobes = 0          # probes again because the recording path changed, at most RECHECKS
         # the plain eager step being timed: [seconds the step before took to record, when the timed step
         # began, device]
         self.probe: list | None = None
@@ -121,10 +125,12 @@ def _now(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def after_mark_step(key, cached: bool, device: torch.device | None, recorded: float = 0.0) -> None:
+def after_mark_step(key, cached: bool, device: torch.device | None, recorded: float = 0.0,
+                    fused: bool = False) -> None:
     """Called at the end of each `mark_step()`: `key` says which plan the step ran (None: nothing ran, or
     a plan not reusable), `cached` whether it came from the plan cache, `recorded` the seconds the
-    step spent recording ops (less meta kernels; 0: it recorded none)."""
+    step spent recording ops (less meta kernels; 0: it recorded none), `fused` whether the fast
+    recorder recorded its forward."""
     s = _STATE
     if s.probe is not None:
         _end_probe(s)
@@ -133,10 +139,19 @@ def after_mark_step(key, cached: bool, device: torch.device | None, recorded: fl
         if s.kept_compiled is not None and s.device.type == "cpu":
             _watch(s, key if cached else None)
         return
+    if recorded and s.probed is not None and fused != s.probed and s.phase in ("idle", "compiled") and \
+            s.reprobes < RECHECKS:
+        # the probe timed the other recording path's steps (the fast recorder records no step with
+        # dynamic sizes): probe these steps again
+        s.reprobes += 1
+        s.probed, s.recorded_steps = None, 0
+        s.phase, s.streak, s.times = "idle", 0, {"compiled": [], "eager": []}
+        log("plans", "step choice: steps now recorded %s, probed again", "fast" if fused else "op by op")
     if recorded and s.recorded_steps < PROBE_AFTER and s.phase == "idle" and device is not None and \
             applies(CONFIG.step_choice, device) and not distributed():
         s.recorded_steps += 1
         if s.recorded_steps >= PROBE_AFTER:
+            s.probed = fused
             _start_probe(s, recorded, device)
             return
     if s.phase == "eager":

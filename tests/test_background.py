@@ -118,3 +118,33 @@ def test_varying_sizes_that_record_slower_than_eager_keep_eager_before_any_templ
     assert m["dynamic_templates"] == 0 and m["background_compiles"] == 0 and m["plans_compiled"] == 0, m
     assert "-> eager, not compiled" in m["step_choice"], m["step_choice"]
     assert seen[-1][0] == seen[1][0], seen     # nothing recorded after the second step
+
+
+def test_the_probe_runs_again_when_steps_turn_to_the_dispatch_recorder(monkeypatch):
+    """The recording probe judges the steps it timed: the first steps of a fixed size are fast-recorded
+    and pass it; once sizes vary, the steps record op by op (the fast recorder records no symbolic step),
+    so they are probed again, and this time (the bound set to 0 after the first probe, so that the outcome
+    does not depend on timing) eager is kept before a template is compiled."""
+    from pydisc import step_choice
+
+    monkeypatch.setattr(CONFIG, "step_choice", "all")
+    monkeypatch.setattr(CONFIG, "fast_record", "cpu")
+    monkeypatch.setattr(step_choice, "PROBE_AFTER", 2)
+    monkeypatch.setattr(step_choice, "RECORDING_BOUND", 1e9)
+    end_probe = step_choice._end_probe
+
+    def then_strict(s):
+        end_probe(s)
+        monkeypatch.setattr(step_choice, "RECORDING_BOUND", 0.0)
+    monkeypatch.setattr(step_choice, "_end_probe", then_strict)
+    clear_plans()
+    pydisc.reset_metrics()
+    sizes = (5, 5, 5, 5, 7, 3, 6, 4)
+    expected, params, _ = _train(False, 14, sizes=sizes)
+    losses, lazy_params, seen = _train(True, 14, sizes=sizes)
+    _assert_same((losses, lazy_params), (expected, params))
+    m = pydisc.metrics()
+    assert m["fast_entries"] > 0, m
+    assert "-> eager, not compiled" in m["step_choice"], m["step_choice"]
+    assert seen[-1][0] == seen[-6][0], seen      # nothing recorded in the last steps
+    clear_plans()

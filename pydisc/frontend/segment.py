@@ -545,6 +545,7 @@ class Segment:
                               loss._fid if loss is not None else None, tuple(value_fids), self.device.type)
             trace.entries.append(Entry(fused, enc_args, {}, tuple(out_vids), list, tuple(reads), (),
                                        tuple(sig), user_source(4)))
+            trace.fused += 1
             METRICS.recorded_ops += 1
             for p, g in grads:
                 with _NO_SUBCLASS():

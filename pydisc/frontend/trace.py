@@ -129,6 +129,7 @@ class Trace:
     # symbolic steps: input storages whose data such a read computed from sizes and eager tensors alone
     # (`torch.arange(T)`, made lazy only because T is symbolic): eager tensors in a concrete step
     size_only_inputs: set = field(default_factory=set)
+    fused: int = 0                  # forwards the fast recorder recorded into it (FusedStep entries)
 
     def __len__(self) -> int:
         return len(self.entries)
