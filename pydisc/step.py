@@ -181,7 +181,7 @@ def run_pending(target: LazyTensor | None = None, reason: str = "mark_step") -> 
         # seconds this step spent recording, less the meta kernels of ops not seen before (step_choice.py)
         recorded = time.perf_counter() - RECORDER.trace_started - RECORDER.meta_seconds if trace.entries else 0.0
         fused = trace.fused > 0         # recorded by the fast recorder
-        ran = (None, False, None)
+        ran = None
         try:
             if trace.entries:
                 ran = _run(trace, target)
@@ -206,7 +206,9 @@ def run_pending(target: LazyTensor | None = None, reason: str = "mark_step") -> 
             optimizer_state.completed()
         if reason == "mark_step" and target is None:
             background.note_step()
-            step_choice.after_mark_step(*ran, recorded, fused)
+            step_choice.after_mark_step(*(ran or (None, False, None)), recorded, fused)
+        elif ran is not None:
+            step_choice.note_read_run(*ran, recorded, fused)
         pairs = RECORDER.grad_inputs if reason == "mark_step" else []
         if pairs:
             RECORDER.grad_inputs = []

@@ -55,7 +55,7 @@ from .frontend.lazy_tensor import RECORDER
 from .frontend.release import release_all, restore
 from .metrics import METRICS
 
-__all__ = ["after_mark_step", "distributed", "holds_passthrough", "measuring", "reset"]
+__all__ = ["after_mark_step", "distributed", "holds_passthrough", "measuring", "note_read_run", "reset"]
 
 WARM = 3        # cached runs in a row before measuring
 WINDOW = 4      # steps per timed window (after one untimed step)
@@ -78,6 +78,8 @@ class _State:
         self.recorded_steps = 0    # steps that recorded ops, until the probe (at PROBE_AFTER)
         self.probed: bool | None = None    # whether the probed step was fast-recorded (`fused`)
         self.reprobes = 0          # probes again because the recording path changed, at most RECHECKS
+        # runs forced by reads since the last mark_step: [keys, all cached, device, recorded s, fused]
+        self.reads: list | None = None
         # the plain eager step being timed: [seconds the step before took to record, when the timed step
         # began, device]
         self.probe: list | None = None
@@ -132,6 +134,17 @@ def after_mark_step(key, cached: bool, device: torch.device | None, recorded: fl
     step spent recording ops (less meta kernels; 0: it recorded none), `fused` whether the fast
     recorder recorded its forward."""
     s = _STATE
+    if s.reads is not None:
+        # runs that reads forced since the last mark_step count with its own: one step from mark_step
+        # to mark_step (HF `generate()` runs a step per token at its read, then the loop's mark_step)
+        keys, all_cached, read_device, read_recorded, read_fused = s.reads
+        s.reads = None
+        if key is not None or device is not None:
+            keys.append(key)
+            all_cached = all_cached and cached
+        key = None if None in keys else tuple(keys)
+        cached, device = all_cached, device or read_device
+        recorded, fused = recorded + read_recorded, fused or read_fused
     if s.probe is not None:
         _end_probe(s)
         return
@@ -183,6 +196,22 @@ def after_mark_step(key, cached: bool, device: torch.device | None, recorded: fl
         s.phase = "eager"
         graphs.release_memory()     # eager steps need the memory a captured step holds
         _release(s)
+
+
+def note_read_run(key, cached: bool, device: torch.device | None, recorded: float, fused: bool) -> None:
+    """A read ran (part of) the pending step (arguments as for `after_mark_step`): noted for the next
+    mark_step."""
+    s = _STATE
+    if s.phase == "decided" and s.kept_compiled is None:
+        return
+    if s.reads is None:
+        s.reads = [[], True, None, 0.0, False]
+    r = s.reads
+    r[0].append(key)
+    r[1] = r[1] and cached
+    r[2] = r[2] or device
+    r[3] += recorded
+    r[4] = r[4] or fused
 
 
 def _release(s: _State) -> None:

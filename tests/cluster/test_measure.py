@@ -535,3 +535,35 @@ def test_a_step_that_records_slower_than_a_plain_eager_step_keeps_eager_without_
         assert "-> recording" in m["step_choice"], m["step_choice"]
         assert m["plans_compiled"] == 1 and m["executions"] >= 4, m
         assert all(pydisc.is_lazy(p) for p in model.parameters())
+
+
+def _decoding(rounds: int, lazy: bool, tokens: int = 4):
+    """Greedy decoding as HF `generate()` does it: each token's step ends at its read (`.item()` here),
+    and the loop calls `mark_step()` once per decode. The tokens of each round, and the model."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(11, 8), torch.nn.Tanh(), torch.nn.Linear(8, 11))
+    if lazy:
+        model = pydisc.lazy(model)
+    out = []
+    with torch.no_grad():
+        for r in range(rounds):
+            ids = [r % 11]
+            for _ in range(tokens):
+                logits = model(torch.tensor(ids[-1:]))
+                ids.append(int(logits[-1].argmax()))
+            out.append(ids)
+            if lazy:
+                pydisc.mark_step()
+    return out, model
+
+
+def test_steps_that_end_at_reads_are_chosen_by_the_step_between_mark_steps(step_choice_cpu, monkeypatch):
+    # the token steps end at reads, not at mark_step; the step choice counts what runs from one mark_step
+    # to the next as the step (one decode), compiled against eager; the compiled calls slowed, eager kept
+    monkeypatch.setattr(CompiledCluster, "run_compiled", _slowed(CompiledCluster.run_compiled, 0.01))
+    expected, _ = _decoding(24, lazy=False)
+    got, model = _decoding(24, lazy=True)
+    assert got == expected
+    m = pydisc.metrics()
+    assert "-> eager" in m["step_choice"], m["step_choice"]
+    assert not any(pydisc.is_lazy(p) for p in model.parameters())
