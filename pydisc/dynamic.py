@@ -76,6 +76,7 @@ def clear() -> None:
     DYNAMIC.force_symbolic = False
     DYNAMIC.misses = 0
     RECORDER.carried_dims = None
+    RECORDER.last_input_shapes = []
 
 
 def _pattern(key, real: torch.Tensor, dims) -> tuple:
@@ -115,8 +116,20 @@ def _dynamic_dims(key, real: torch.Tensor) -> tuple:
 
 
 RECORDER.dims_of = dims_of
-# a step recorded at __torch_function__ cannot be matched to a template: none while dims are dynamic
-set_fast_gate(lambda: not DYNAMIC.flagged)
+
+
+def _fast_gate() -> bool:
+    """Whether the fast recorder may record this step: a step recorded at __torch_function__ cannot be
+    matched to a template, so none while dims are dynamic; nor a step whose inputs so far have other
+    sizes than the step before's: the dispatcher records it and its changed dims are found (and the
+    step choice's probe times the recording that the steps to come will have)."""
+    if DYNAMIC.flagged:
+        return False
+    shapes, last = RECORDER.input_shapes, RECORDER.last_input_shapes
+    return not (CONFIG.dynamic and last and shapes != last[:len(shapes)])
+
+
+set_fast_gate(_fast_gate)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -257,6 +257,7 @@ def _end_probe(s: _State) -> None:
     keep_eager = recorded > RECORDING_BOUND * eager
     METRICS.step_choice = "recorded in %.2f ms, a plain eager step ran in %.2f ms -> %s" % (
         1e3 * recorded, 1e3 * eager, "eager, not compiled" if keep_eager else "recording")
+    log("plans", "step choice: %s", METRICS.step_choice)
     if keep_eager:
         s.phase = "decided"
         _keep_eager(s, "recording a step took %.2f ms, a plain eager step %.2f ms: a compiled step cannot be "

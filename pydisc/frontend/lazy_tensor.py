@@ -344,6 +344,7 @@ class Recorder:
         self.carried_dims: Callable[[int, torch.Tensor], tuple] | None = None
         self.inputs_seen = 0
         self.input_shapes: list[tuple] = []    # shape of each step input, by ordinal
+        self.last_input_shapes: list[tuple] = []   # ... of the step before
         self.step_id = 0                       # mark_step count (a step may span several traces)
         self.symbolic: SymbolicStep | None = None
         # A trace that is never marked: every time it doubles, `pruner` (installed by pydisc/step.py)
@@ -384,7 +385,7 @@ class Recorder:
             self.symbolic = None
             self.trace.symbolic = None
         self.inputs_seen = 0
-        self.input_shapes = []
+        self.last_input_shapes, self.input_shapes = self.input_shapes, []
         self.step_id += 1
 
     # ---- symbolic steps --------------------------------------------------------------------------
