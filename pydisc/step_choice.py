@@ -78,8 +78,10 @@ class _State:
         self.recorded_steps = 0    # steps that recorded ops, until the probe (at PROBE_AFTER)
         self.probed: bool | None = None    # whether the probed step was fast-recorded (`fused`)
         self.reprobes = 0          # probes again because the recording path changed, at most RECHECKS
-        # runs forced by reads since the last mark_step: [keys, all cached, device, recorded s, fused]
+        # runs forced by reads since the last mark_step: [keys, all cached, device, recorded s, fused,
+        # whether ops passed through after one]
         self.reads: list | None = None
+        self.through = False       # pass-through was on when the last mark_step ended
         # the plain eager step being timed: [seconds the step before took to record, when the timed step
         # began, device]
         self.probe: list | None = None
@@ -105,6 +107,12 @@ def reset() -> None:
     _STATE = _State()
     RECORDER.passthrough = False
     RECORDER.released = False
+
+
+def _background_passthrough() -> bool:
+    """Whether ops pass through because a plan is being built in the background (not for this module's
+    own timed eager steps)."""
+    return RECORDER.passthrough and not holds_passthrough()
 
 
 def holds_passthrough() -> bool:
@@ -134,10 +142,11 @@ def after_mark_step(key, cached: bool, device: torch.device | None, recorded: fl
     step spent recording ops (less meta kernels; 0: it recorded none), `fused` whether the fast
     recorder recorded its forward."""
     s = _STATE
+    through, s.through = s.through, _background_passthrough()
     if s.reads is not None:
         # runs that reads forced since the last mark_step count with its own: one step from mark_step
         # to mark_step (HF `generate()` runs a step per token at its read, then the loop's mark_step)
-        keys, all_cached, read_device, read_recorded, read_fused = s.reads
+        keys, all_cached, read_device, read_recorded, read_fused, read_through = s.reads
         s.reads = None
         if key is not None or device is not None:
             keys.append(key)
@@ -145,6 +154,11 @@ def after_mark_step(key, cached: bool, device: torch.device | None, recorded: fl
         key = None if None in keys else tuple(keys)
         cached, device = all_cached, device or read_device
         recorded, fused = recorded + read_recorded, fused or read_fused
+        through = through or read_through
+    if through:
+        # some ops of this step passed through (a plan was being built in the background): neither
+        # its recording nor its time is the step's
+        key, recorded = None, 0.0
     if s.probe is not None:
         _end_probe(s)
         return
@@ -205,13 +219,14 @@ def note_read_run(key, cached: bool, device: torch.device | None, recorded: floa
     if s.phase == "decided" and s.kept_compiled is None:
         return
     if s.reads is None:
-        s.reads = [[], True, None, 0.0, False]
+        s.reads = [[], True, None, 0.0, False, False]
     r = s.reads
     r[0].append(key)
     r[1] = r[1] and cached
     r[2] = r[2] or device
     r[3] += recorded
     r[4] = r[4] or fused
+    r[5] = r[5] or _background_passthrough()     # the ops after this run pass through
 
 
 def _release(s: _State) -> None:

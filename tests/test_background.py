@@ -148,3 +148,38 @@ def test_the_probe_runs_again_when_steps_turn_to_the_dispatch_recorder(monkeypat
     assert "-> eager, not compiled" in m["step_choice"], m["step_choice"]
     assert seen[-1][0] == seen[-6][0], seen      # nothing recorded in the last steps
     clear_plans()
+
+
+def test_the_probe_skips_steps_that_passed_through_while_plans_were_built(gated, monkeypatch):
+    """A decode loop (each token's step ends at its read, one mark_step per decode) whose token plans
+    are built in the background: a decode that meets a new token graph records the tokens before it,
+    and the rest pass through while its plan is built; the probe waits for a decode recorded whole."""
+    from pydisc import step_choice
+
+    monkeypatch.setattr(CONFIG, "step_choice", "all")
+    monkeypatch.setattr(CONFIG, "compile_after", 1)
+    monkeypatch.setattr(step_choice, "PROBE_AFTER", 2)
+    monkeypatch.setattr(step_choice, "RECORDING_BOUND", 1e9)
+    probed = []
+    start_probe = step_choice._start_probe
+    monkeypatch.setattr(step_choice, "_start_probe",
+                        lambda s, recorded, device: (probed.append(len(rounds) - 1), start_probe(s, recorded, device)))
+    gated.set()
+    torch.manual_seed(0)
+    model = pydisc.lazy(torch.nn.Sequential(torch.nn.Embedding(11, 8), torch.nn.Tanh(), torch.nn.Linear(8, 11)))
+    rounds = []
+    with torch.no_grad():
+        for r in range(6):
+            before = pydisc.metrics()["recorded_ops"]
+            ids = [r % 11]
+            for k in range(4):
+                logits = model(torch.tensor(ids[-1:]))
+                if r == 1 and k == 2:
+                    logits = logits * 1.5       # a token graph not seen before, mid-decode
+                ids.append(int(logits[-1].argmax()))
+            rounds.append(pydisc.metrics()["recorded_ops"] - before)
+            pydisc.wait_for_compiles()
+            pydisc.mark_step()
+    full = max(rounds)
+    assert rounds[0] < full and rounds[1] < full, rounds     # the decodes that passed through in part
+    assert probed and rounds[probed[0]] == full, (probed, rounds)
