@@ -212,7 +212,7 @@ def test_eager_errors_are_raised(fast_recording) -> None:
     assert pydisc.metrics()["fast_segments"] >= 1
 
 
-@pytest.mark.parametrize("name", ["gpt2", "bert"])
+@pytest.mark.parametrize("name", ["gpt2", pytest.param("bert", marks=pytest.mark.long)])
 def test_hf_models_train_like_eager_on_the_fast_path(name: str, fast_recording, monkeypatch) -> None:
     pytest.importorskip("transformers")
     import sys

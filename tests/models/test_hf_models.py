@@ -16,6 +16,10 @@ from pydisc.config import CONFIG  # noqa: E402
 
 CASES = [(name, "sdpa") for name in ("bert", "gpt2", "llama", "t5", "bart", "vit")] + \
     [("bert", "eager"), ("gpt2", "eager")]
+# on the CPU by default: one encoder-decoder (T5) and one model with written-out attention (GPT-2)
+# are enough there; the others run with --long (and all of them on CUDA)
+_LONG_ON_CPU = {("bart", "sdpa"), ("bert", "eager")}
+CPU_CASES = [pytest.param(*c, marks=[pytest.mark.long] if c in _LONG_ON_CPU else []) for c in CASES]
 
 
 @pytest.fixture
@@ -25,7 +29,7 @@ def compile_on_second_sighting(monkeypatch):
     monkeypatch.setattr(CONFIG, "compile_after", 2)
 
 
-@pytest.mark.parametrize("name,attn", CASES, ids=["%s-%s" % c for c in CASES])
+@pytest.mark.parametrize("name,attn", CPU_CASES, ids=["%s-%s" % c for c in CASES])
 def test_hf_model_trains_like_eager_compiled(name: str, attn: str, compile_on_second_sighting) -> None:
     run = hf_models.train_side_by_side(name, steps=5, attn=attn)
     hf_models.assert_trains_like_eager(run)
@@ -60,7 +64,7 @@ def fresh_plans():
     clear_plans()
 
 
-@pytest.mark.parametrize("name", ["gpt2", "bert", "gpt2_dropout"])
+@pytest.mark.parametrize("name", ["gpt2", pytest.param("bert", marks=pytest.mark.long), "gpt2_dropout"])
 def test_hf_model_with_a_new_length_every_step_compiles_once(name: str, compile_on_second_sighting,
                                                               fresh_plans) -> None:
     """DISC's own case: the sequence length changes every step and one executable serves them all,

@@ -14,6 +14,10 @@ from pathlib import Path
 
 import pytest
 
+# our own models, written for pydisc: the HF models (tests/models/test_hf_models.py) and the MNIST and
+# HF examples (test_examples.py) cover the default run; these five cold compiles take ~3 minutes
+pytestmark = pytest.mark.long
+
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
 
