@@ -30,7 +30,7 @@ def _scope(name: str, default: str) -> str:
 
 
 def _fast_scope() -> str:
-    value = _choice("PYDISC_FAST_RECORD", "cpu", SCOPES + ("0", "1"))
+    value = _choice("PYDISC_FAST_RECORD", "all", SCOPES + ("0", "1"))
     return {"1": "all", "0": "off"}.get(value, value)
 
 
@@ -94,8 +94,8 @@ class Config:
     # (pydisc/cluster/value_checks.py): "cpu" (default), "cuda", "all" or "off"
     value_checks: str = _scope("PYDISC_VALUE_CHECKS", "cpu")
     # forwards that record gradients are recorded as the calls user code makes and differentiated when
-    # the step is planned (pydisc/frontend/fast.py), for lazy modules on: "cpu" (default), "cuda", "all"
-    # (or 1), "off" (or 0: every ATen op through the dispatcher)
+    # the step is planned (pydisc/frontend/fast.py), for lazy modules on: "all" (default, or 1), "cuda",
+    # "cpu", "off" (or 0: every ATen op through the dispatcher)
     fast_record: str = _fast_scope()
 
 

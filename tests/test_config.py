@@ -40,7 +40,8 @@ def test_scopes_cover_their_devices():
     assert [applies(s, cuda) for s in ("all", "cuda", "cpu", "off")] == [True, True, False, False]
 
 
-@pytest.mark.parametrize("value,scope", [("", "cpu"), ("0", "off"), ("1", "all"), (" Cuda", "cuda"), ("off", "off")])
+@pytest.mark.parametrize("value,scope", [("", "all"), ("0", "off"), ("1", "all"), (" Cuda", "cuda"), ("cpu", "cpu"),
+                                         ("off", "off")])
 def test_fast_record_takes_a_scope_and_the_old_switch(value, scope):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYDISC_FAST_RECORD=value)
     done = subprocess.run([sys.executable, "-c", "import pydisc; from pydisc.frontend import fast; "

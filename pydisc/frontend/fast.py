@@ -1,6 +1,6 @@
 """Training steps recorded at `__torch_function__`, differentiated when the step is planned.
 
-For lazy modules on the devices `PYDISC_FAST_RECORD` names (the CPU by default), a forward that records
+For lazy modules on the devices `PYDISC_FAST_RECORD` names (all by default), a forward that records
 gradients is recorded as the calls user code makes (`F.linear`, `F.scaled_dot_product_attention`,
 `x + y`, views, ...), not as the ATen ops they and their backward expand into: this module's
 `__torch_function__` handler appends each call to the open `Segment` (frontend/segment.py), and

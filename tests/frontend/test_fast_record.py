@@ -354,7 +354,7 @@ def test_hf_models_under_autocast_train_like_eager_and_end_compiled(name: str, f
 
 @pytest.mark.parametrize("scope,segments", [("cpu", 2), ("cuda", 0), ("all", 2), ("off", 0)])
 def test_the_default_scope_says_which_devices_record_fast(scope: str, segments: int) -> None:
-    """PYDISC_FAST_RECORD's scope (default "cpu"): CPU modules here."""
+    """PYDISC_FAST_RECORD's scope (default "all"): CPU modules here."""
     previous = fast.FAST.default
     fast.set_default(scope)
     try:
