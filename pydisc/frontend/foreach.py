@@ -302,8 +302,25 @@ def _foreach_for_lazy_groups(optimizer, args, kwargs) -> None:
             flipped.append(group)
     if flipped:
         setattr(optimizer, _FLIPPED, flipped)
+        if not optimizer.__dict__.get(_REPORTS):
+            optimizer.register_state_dict_post_hook(_as_left_to_torch)
+            setattr(optimizer, _REPORTS, True)
 
 
 def _foreach_put_back(optimizer, args, kwargs) -> None:
     for group in optimizer.__dict__.pop(_FLIPPED, ()):
         group["foreach"] = None
+
+
+_REPORTS = "_pydisc_foreach_reported"   # the optimizer's attribute: `_as_left_to_torch` is registered
+
+
+def _as_left_to_torch(optimizer, state_dict: dict) -> dict:
+    """`state_dict()` between a step that raised (its post-hook did not run) and the next step: the
+    groups still set to foreach for that step are saved as the user left them."""
+    flipped = optimizer.__dict__.get(_FLIPPED)
+    if flipped:
+        for group, saved in zip(optimizer.param_groups, state_dict["param_groups"]):
+            if any(group is g for g in flipped):
+                saved["foreach"] = None
+    return state_dict

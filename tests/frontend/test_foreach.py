@@ -277,3 +277,23 @@ def test_cpu_optimizers_record_their_foreach_path_and_match_eager(make) -> None:
         assert opts[1].state_dict()["param_groups"][0]["foreach"] is None
     for p, q in zip(eager.parameters(), lazy.parameters()):
         torch.testing.assert_close(q.detach().cpu(), p.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_step_that_raised_leaves_the_saved_foreach_setting_as_the_user_left_it() -> None:
+    """The step's pre-hook sets `foreach` for lazy groups and its post-hook puts it back; a step that
+    raises (here its closure) skips the post-hook, and `state_dict()` still saves what the user set."""
+    lazy = pydisc.lazy(torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD(lazy.parameters(), lr=0.1)
+    lazy(torch.randn(3, 4)).sum().backward()
+
+    def closure():
+        raise RuntimeError("the user's closure")
+    with pytest.raises(RuntimeError, match="the user's closure"):
+        opt.step(closure)
+    assert opt.state_dict()["param_groups"][0]["foreach"] is None
+    fresh = torch.optim.SGD(torch.nn.Linear(4, 2).parameters(), lr=0.1)
+    fresh.load_state_dict(opt.state_dict())
+    assert fresh.param_groups[0]["foreach"] is None
+    opt.step()                  # the next step puts it back first
+    pydisc.mark_step()
+    assert opt.param_groups[0]["foreach"] is None
