@@ -28,6 +28,16 @@ def fast_recording():
     fast.set_default(previous)
 
 
+@pytest.fixture
+def replayed_eagerly(monkeypatch):
+    """Recording is the subject, not compiling: the recorded steps replay in torch at mark_step
+    (PYDISC_DISABLE), not through IREE, whose compiles of each variant cost ~20 s on a 2-core CPU.
+    The tests that compile (the block, the HF models, autocast) cover the planned path."""
+    from pydisc.config import CONFIG
+
+    monkeypatch.setattr(CONFIG, "disable", True)
+
+
 class Block(nn.Module):
     """A pre-norm transformer block with torch's fused attention, and a classifier head."""
 
@@ -191,7 +201,8 @@ class BatchNormed(nn.Module):
     (Block, _retained, "backward with arguments"),
     (BatchNormed, _ce, "a write into a tensor the step did not make"),
 ], ids=["autograd-function", "tensor-hook", "retain-graph", "batch-norm-statistics"])
-def test_what_the_fast_path_cannot_follow_is_demoted_and_equals_eager(make, forward, reason, fast_recording) -> None:
+def test_what_the_fast_path_cannot_follow_is_demoted_and_equals_eager(make, forward, reason, fast_recording,
+                                                                      replayed_eagerly) -> None:
     losses, lazy_losses, ref, model = _train(make, forward)
     _assert_same(ref, model, losses, lazy_losses)
     assert pydisc.metrics()["fast_demotions"].get(reason) == 3, pydisc.metrics()["fast_demotions"]
@@ -426,7 +437,7 @@ def _function_on_a_parameter(m, x):
                                      _setitem_with_a_tensor_index, _tensor_in_a_slice,
                                      _parameter_outside_autograd, _function_on_a_parameter],
                          ids=lambda f: f.__name__.strip("_"))
-def test_steps_once_wrong_on_the_fast_path_equal_eager(forward, fast_recording) -> None:
+def test_steps_once_wrong_on_the_fast_path_equal_eager(forward, fast_recording, replayed_eagerly) -> None:
     def step(m, x, y):
         loss = forward(m, x).square().sum()
         loss.backward()
@@ -462,7 +473,7 @@ def test_two_backwards_through_a_detached_value_equal_eager(fast_recording) -> N
     _assert_same(ref, model, losses, lazy_losses)
 
 
-def test_mark_step_between_forward_and_backward_equals_eager(fast_recording) -> None:
+def test_mark_step_between_forward_and_backward_equals_eager(fast_recording, replayed_eagerly) -> None:
     def step(m, x, y):
         out = m(x)
         if m is not ref_holder[0]:
@@ -481,7 +492,7 @@ def test_mark_step_between_forward_and_backward_equals_eager(fast_recording) -> 
     _assert_same(ref, model, losses, lazy_losses)
 
 
-def test_a_read_of_attention_with_dropout_is_the_steps_value(fast_recording) -> None:
+def test_a_read_of_attention_with_dropout_is_the_steps_value(fast_recording, replayed_eagerly) -> None:
     """sdpa's dropout draws inside an op whose name says nothing of it: found by its ATen tag."""
     class Attn(nn.Module):
         def __init__(self) -> None:
