@@ -9,7 +9,7 @@ compiled plan (docs/dynamic.md). Both copies start from the same weights and tra
 linear warmup and gradient clipping.
 
 Exit status: 1 when the losses of the first steps differ by more than 1e-3 relative, or when fewer than
-80% of the steps after the fifth ran compiled.
+80% of the steps after the fifth ran compiled (unless the step choice kept eager or has not decided yet).
 
     python examples/hf_finetune.py                 # ~1 minute on 2 CPU cores
     python examples/hf_finetune.py --steps 200 --layers 4 --device cuda --save /tmp/gpt2-stdlib.pt
@@ -134,8 +134,13 @@ def main() -> int:
     if worst > MAX_RELATIVE_LOSS_DIFF:
         print("FAIL: the first %d losses differ by %.2e relative" % (CHECKED_STEPS, worst))
         return 1
-    if "-> eager" in pydisc.metrics()["step_choice"]:
+    choice = pydisc.metrics()["step_choice"]
+    if "-> eager" in choice:
         print("(the step choice runs the steps eagerly: eager was measured faster here, PYDISC_STEP_CHOICE)")
+    elif choice.endswith("-> recording"):
+        # the probe passed and the timed windows have not run yet: its plain eager step and the step with
+        # new sizes ran eagerly, too many of a short run to hold it to the share below
+        print("(the step choice has not decided yet: %s)" % choice)
     elif share < 0.8:
         print("FAIL: only %d%% of the steps after the fifth ran compiled" % (100 * share))
         return 1
