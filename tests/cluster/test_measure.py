@@ -294,6 +294,7 @@ def test_release_makes_lazy_tensors_plain_in_place(step_choice_cpu):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)       # 3 steps were compiled
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
     assert model[0].weight.tag == "mine"
+    gc.collect()        # (cyclic garbage is listed by gc.get_objects until collected)
     left = [o for o in gc.get_objects() if type(o) is LazyTensor and id(o) not in earlier]
     assert not left, [(tuple(o.shape), o.dtype, [type(r).__name__ for r in gc.get_referrers(o)]) for o in left]
 
