@@ -296,7 +296,12 @@ def test_release_makes_lazy_tensors_plain_in_place(step_choice_cpu):
     assert model[0].weight.tag == "mine"
     gc.collect()        # (cyclic garbage is listed by gc.get_objects until collected)
     left = [o for o in gc.get_objects() if type(o) is LazyTensor and id(o) not in earlier]
-    assert not left, [(tuple(o.shape), o.dtype, [type(r).__name__ for r in gc.get_referrers(o)]) for o in left]
+    # a swap may leave the lazy half of a released tensor alive with no Python referrer: torch's
+    # swap_tensors accepts a leaf whose AccumulateGrad node (of an autograd graph something still holds)
+    # keeps its C++ tensor, and that node, poisoned by the swap, keeps the object; no one can reach it
+    held = [(tuple(o.shape), o.dtype, [type(r).__name__ for r in gc.get_referrers(o) if r is not left])
+            for o in left]
+    assert not [h for h in held if h[2]], held
 
 
 def test_restore_makes_released_tensors_lazy_again_in_place(step_choice_cpu):
