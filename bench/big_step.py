@@ -27,8 +27,8 @@ import pydisc.cluster  # noqa: E402
 import pydisc.exec  # noqa: E402
 import pydisc.exec.compiler  # noqa: E402
 import pydisc.frontend.emit  # noqa: E402
-import pydisc.plan  # noqa: E402
-import pydisc.step  # noqa: E402
+import pydisc.driver.plan  # noqa: E402
+import pydisc.driver.step  # noqa: E402
 from pydisc.frontend.lazy_tensor import RECORDER  # noqa: E402
 
 
@@ -64,13 +64,13 @@ def main() -> int:
     warnings.showwarning = lambda message, *rest: caught.append(str(message))
     totals: dict[str, float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
-    _timed(pydisc.plan, "functional_graph", totals, calls)        # make_fx + functionalize + decompositions
+    _timed(pydisc.driver.plan, "functional_graph", totals, calls)        # make_fx + functionalize + decompositions
     _timed(pydisc.cluster, "partition_graph", totals, calls)
     _timed(pydisc.frontend.emit, "emit_cluster", totals, calls)
     _timed(pydisc.exec.compiler, "_compile", totals, calls)       # iree-compile itself
     _timed(pydisc.exec, "compile_module", totals, calls)          # compile + load (or cache hit)
     # plan on this thread, so that cProfile sees it (mark_step is not called from inside dispatch here)
-    pydisc.step.build_plan = pydisc.plan._build
+    pydisc.driver.step.build_plan = pydisc.driver.plan._build
 
     torch.manual_seed(0)
     w, x = torch.randn(8, 8) * 0.3, torch.randn(4, 8)

@@ -61,7 +61,7 @@ def run(mode: str, base: torch.nn.Module, data, device: torch.device, args) -> d
     lazy = mode.startswith("pydisc")
     mark = args.mark or mode == "pydisc(mark_dynamic)"
     if lazy:
-        from pydisc.step import clear_plans
+        from pydisc.driver.step import clear_plans
         clear_plans()
         pydisc.reset_metrics()
         pydisc.lazy(model, device=device)

@@ -157,7 +157,7 @@ def _time_runners() -> list[float]:
     """Wrap the runner of every cached step plan so its calls are timed. This reaches into pydisc's
     plan cache (there is no public hook): what is left of mark_step is the key build, the cache
     lookup and binding the results to the lazy tensors."""
-    from pydisc.step import _PLANS
+    from pydisc.driver.step import _PLANS
 
     seconds: list[float] = []
 

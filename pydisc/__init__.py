@@ -10,8 +10,8 @@ import atexit
 import gc
 
 from .diagnostics import PydiscWarning
-from . import background, step_choice
-from .dynamic import mark_dynamic
+from .driver import background, step_choice
+from .driver.dynamic import mark_dynamic
 from .config import CONFIG
 from .frontend import fast
 from .frontend.collectives import install_collectives
@@ -22,9 +22,9 @@ from .frontend.symbolic import release_factory_mode
 from ._version import __version__
 from .metrics import METRICS
 from .module import lazy
-from .optimizer_state import install_optimizer_hook
+from .driver.optimizer_state import install_optimizer_hook
 from .report import metrics_report
-from .step import run_pending
+from .driver.step import run_pending
 
 __all__ = ["lazy", "mark_step", "mark_dynamic", "is_lazy", "to_lazy", "metrics", "reset_metrics", "metrics_report",
            "LazyTensor", "PydiscWarning", "StrictModeError", "wait_for_compiles", "__version__"]
@@ -39,7 +39,7 @@ install_optimizer_hook()
 def _release_compiled() -> None:
     # Free IREE modules and devices before the interpreter tears down the runtime bindings.
     from .exec import clear_cache
-    from .step import clear_plans
+    from .driver.step import clear_plans
     clear_plans()
     clear_cache()
     gc.collect()
@@ -51,7 +51,7 @@ def mark_step() -> None:
     METRICS.mark_steps += 1
     if RECORDER.released and not RECORDER.trace.entries and not background.pending() and \
             not step_choice.measuring():
-        return      # steps run eagerly now (pydisc/step_choice.py): nothing was recorded
+        return      # steps run eagerly now (pydisc/driver/step_choice.py): nothing was recorded
     run_pending(None, "mark_step")
     release_factory_mode()
 
@@ -59,7 +59,7 @@ def mark_step() -> None:
 def wait_for_compiles() -> None:
     """Block until the step plans being built in the background (`PYDISC_BACKGROUND_COMPILE`, on CUDA
     by default) are ready; the next step then records and runs compiled. Returns at once if none are."""
-    from .background import collect, join
+    from .driver.background import collect, join
 
     join()      # without the recorder's lock: planning may take it
     with RECORDER.lock:
@@ -72,7 +72,7 @@ def to_lazy(t):
     import torch
 
     if RECORDER.released:
-        return t    # steps run eagerly now (pydisc/step_choice.py): inputs stay plain, as the module's do
+        return t    # steps run eagerly now (pydisc/driver/step_choice.py): inputs stay plain, as the module's do
     release_factory_mode()
     if isinstance(t, torch.Tensor):
         return _to_lazy(t, step_input=True)

@@ -69,12 +69,12 @@ class Config:
     # it is >10% faster (plan.CompiledCluster.measure): "cuda" (default), "cpu", "all" or "off"
     measure: str = _scope("PYDISC_MEASURE", "cuda")
     # once a step graph repeats, time a few steps compiled and a few run eagerly op by op, and keep the
-    # faster for the rest of the process (pydisc/step_choice.py): "all" (default), "cuda", "cpu", "off"
+    # faster for the rest of the process (pydisc/driver/step_choice.py): "all" (default), "cuda", "cpu", "off"
     step_choice: str = _scope("PYDISC_STEP_CHOICE", "all")
     # a new step graph is compiled the Nth time it is recorded; until then it runs eagerly (a graph seen
     # once, like an optimizer's first step that creates its state, is never compiled). 1: at once
     compile_after: int = max(1, int(_env("PYDISC_COMPILE_AFTER", "2")))
-    # a new step graph's plan is built in a thread while the steps run eagerly (pydisc/background.py):
+    # a new step graph's plan is built in a thread while the steps run eagerly (pydisc/driver/background.py):
     # "cuda" (default), "cpu", "all" or "off"
     background_compile: str = _scope("PYDISC_BACKGROUND_COMPILE", "cuda")
     # the torch-mlir route: ops with no StableHLO rule are compiled through torch-mlir's FX importer

@@ -40,7 +40,7 @@ def _pre_hook(device: torch.device):
     tensor = torch.Tensor
 
     def hook(module, args, kwargs):
-        if RECORDER.released:       # steps run eagerly from now on (pydisc/step_choice.py)
+        if RECORDER.released:       # steps run eagerly from now on (pydisc/driver/step_choice.py)
             if not kwargs:
                 for a in args:
                     if type(a) is not tensor or a.device != device:
@@ -95,9 +95,9 @@ def lazy(module: torch.nn.Module, *, device: str | torch.device | None = None,
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())   # as tensors' `.device` names it
     if RECORDER.released:
-        # The step choice kept eager for the models before (pydisc/step_choice.py), and their tensors are
+        # The step choice kept eager for the models before (pydisc/driver/step_choice.py), and their tensors are
         # plain now: this model's steps are measured afresh rather than passed through for good.
-        from . import step_choice
+        from .driver import step_choice
         step_choice.reset()
     converted: dict[int, torch.Tensor] = {}   # tied weights stay tied
 

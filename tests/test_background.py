@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import pydisc
-from pydisc import background
+from pydisc.driver import background
 from pydisc.config import CONFIG
-from pydisc.step import clear_plans
+from pydisc.driver.step import clear_plans
 
 
 @pytest.fixture
@@ -105,7 +105,7 @@ def test_varying_sizes_that_record_slower_than_eager_keep_eager_before_any_templ
     """Sizes that vary: the second step (new sizes) says that dims are dynamic, and the step after it runs
     plainly in torch, timed, before a template is recorded; recording took longer (the bound set to 0,
     so that the outcome does not depend on timing), so eager is kept: no template, nothing compiled."""
-    from pydisc import step_choice
+    from pydisc.driver import step_choice
 
     monkeypatch.setattr(CONFIG, "step_choice", "all")
     monkeypatch.setattr(step_choice, "PROBE_AFTER", 2)
@@ -125,7 +125,7 @@ def test_the_probe_runs_again_when_steps_turn_to_the_dispatch_recorder(monkeypat
     and pass it; once sizes vary, the steps record op by op (the fast recorder records no symbolic step),
     so they are probed again, and this time (the bound set to 0 after the first probe, so that the outcome
     does not depend on timing) eager is kept before a template is compiled."""
-    from pydisc import step_choice
+    from pydisc.driver import step_choice
 
     monkeypatch.setattr(CONFIG, "step_choice", "all")
     monkeypatch.setattr(CONFIG, "fast_record", "cpu")
@@ -154,7 +154,7 @@ def test_the_probe_skips_steps_that_passed_through_while_plans_were_built(gated,
     """A decode loop (each token's step ends at its read, one mark_step per decode) whose token plans
     are built in the background: a decode that meets a new token graph records the tokens before it,
     and the rest pass through while its plan is built; the probe waits for a decode recorded whole."""
-    from pydisc import step_choice
+    from pydisc.driver import step_choice
 
     monkeypatch.setattr(CONFIG, "step_choice", "all")
     monkeypatch.setattr(CONFIG, "compile_after", 1)

@@ -74,7 +74,7 @@ def test_ledger_names_the_source_line_of_a_new_graph_after_a_steady_state():
 def test_recompile_explainer_names_the_changed_dimension(config, dynamic):
     """An eager tensor has fixed sizes: one plan per shape, with or without dynamic shapes, and the
     explainer names the change (and, with dynamic shapes on, how to let the size vary)."""
-    from pydisc.step import clear_plans
+    from pydisc.driver.step import clear_plans
     config(dynamic=dynamic)
     clear_plans()
     pydisc.reset_metrics()

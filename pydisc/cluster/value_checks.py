@@ -13,7 +13,7 @@ zero returned made-up values.
 - with `flag=True` (the CPU by default, `PYDISC_VALUE_CHECKS`), the graph also returns one boolean:
   whether any index was out of range or any integer divisor zero. Reading it at the step's end costs
   no synchronisation on the CPU. When it is set, the step's results are not bound: the step runs again
-  eagerly, where the op raises eager's own exception and message (pydisc/step.py), and parameters and
+  eagerly, where the op raises eager's own exception and message (pydisc/driver/step.py), and parameters and
   optimizer state keep their values. On CUDA reading it would synchronise every step, so by default a
   compiled step there computes with the clamped indices where CUDA eager stops at a device-side assert
   (docs/robustness.md).

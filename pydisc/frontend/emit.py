@@ -20,7 +20,7 @@ it), and a SymInt output is computed on the host from the input sizes (`EmittedC
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -34,10 +34,11 @@ from pydisc.frontend.lowering.symbolic import (
     Size,
     SizeBindings,
     check_computable,
+    python_expression,
     size_of,
 )
 
-__all__ = ["EmittedCluster", "LoweringError", "TensorSpec", "emit_cluster", "unsupported_reason"]
+__all__ = ["EmittedCluster", "LoweringError", "TensorSpec", "emit_cluster", "size_function", "unsupported_reason"]
 
 
 @dataclass(frozen=True)
@@ -410,3 +411,47 @@ def emit_cluster(gm: torch.fx.GraphModule, *, func_name: str = "main", share_sca
         layout=() if plain else tuple(layout),
         bindings=bindings,
     )
+
+
+def size_function(emitted: EmittedCluster, device: torch.device) -> Callable:
+    """`prepare(inputs) -> (arguments, outputs, results)` for a cluster with dynamic dims, generated as
+    Python source once: it reads each needed size symbol from an input's dim, allocates the outputs at
+    this call's sizes and lists the cluster's results (tensors, and SymInt outputs as ints). Sympy is
+    not involved per call; the cost is a few dim reads and one `torch.empty` per output."""
+    bindings = emitted.bindings
+    reads: list[str] = []
+    names: dict = {}
+
+    def leaf(symbol) -> str:
+        if symbol not in names:
+            position, dim = bindings.leaves[symbol]
+            names[symbol] = "n%d" % len(names)
+            if dim is None:     # a size passed as an int (an `index` argument)
+                reads.append("    %s = inputs[%d]" % (names[symbol], position))
+            else:
+                reads.append("    %s = inputs[%d].size(%d)" % (names[symbol], position, dim))
+        return names[symbol]
+
+    def size(expr) -> str:
+        return python_expression(bindings.resolve(expr), leaf)
+
+    allocations = []
+    for k, spec in enumerate(emitted.outputs):
+        dims = ", ".join(size(d) for d in spec.shape) + ("," if spec.rank == 1 else "")
+        allocations.append("    o%d = empty((%s), dtype=dtype%d, device=device)" % (k, dims, k))
+    layout = emitted.layout or tuple(("result", k) for k in range(len(emitted.outputs)))
+    results = ["o%d" % value if kind == "result" else size(value) for kind, value in layout]
+    arguments = "".join("inputs[%d], " % p for p in emitted.arguments)
+    source = "\n".join([
+        "def prepare(inputs):",
+        *reads,
+        *allocations,
+        "    return (%s), [%s], (%s)" % (arguments, ", ".join("o%d" % k for k in range(len(emitted.outputs))),
+                                       "".join(r + ", " for r in results)),
+    ])
+    scope = {"empty": torch.empty, "device": device, "max": max, "min": min}
+    scope.update({"dtype%d" % k: spec.dtype for k, spec in enumerate(emitted.outputs)})
+    exec(compile(source, "<pydisc cluster sizes>", "exec"), scope)
+    prepare = scope["prepare"]
+    prepare.source = source
+    return prepare

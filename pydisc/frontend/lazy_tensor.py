@@ -336,23 +336,23 @@ class Recorder:
         self.capture_sources = True
         self.gc_paused = False
         # Dynamic shapes: `dims_of(ordinal, real)` says which dims of the ordinal-th step input are
-        # dynamic (installed by pydisc/dynamic.py); a step with any is recorded symbolically.
+        # dynamic (installed by pydisc/driver/dynamic.py); a step with any is recorded symbolically.
         self.dims_of: Callable[[int, torch.Tensor], tuple] | None = None
         # ... and `carried_dims(index, real)` which dims of the index-th input storage of the step, a
         # lazy tensor a previous step made (a KV cache that grows by a token each step), are dynamic;
-        # installed only while some are (pydisc/dynamic.py), so that ops of other steps pay nothing.
+        # installed only while some are (pydisc/driver/dynamic.py), so that ops of other steps pay nothing.
         self.carried_dims: Callable[[int, torch.Tensor], tuple] | None = None
         self.inputs_seen = 0
         self.input_shapes: list[tuple] = []    # shape of each step input, by ordinal
         self.last_input_shapes: list[tuple] = []   # ... of the step before
         self.step_id = 0                       # mark_step count (a step may span several traces)
         self.symbolic: SymbolicStep | None = None
-        # A trace that is never marked: every time it doubles, `pruner` (installed by pydisc/step.py)
+        # A trace that is never marked: every time it doubles, `pruner` (installed by pydisc/driver/step.py)
         # drops the entries whose tensors have all died.
         self.pruner: Callable[[], None] | None = None
         self.prune_at = PRUNE_FIRST_AT
         # Every op runs at once in torch, nothing is recorded: a step measured faster eagerly than
-        # compiled (pydisc/step_choice.py), or the eager half of that measurement.
+        # compiled (pydisc/driver/step_choice.py), or the eager half of that measurement.
         self.passthrough = False
         # ... and the live lazy tensors were made plain (frontend/release.py): inputs stay plain too
         self.released = False
@@ -361,7 +361,7 @@ class Recorder:
         self.trace_started = 0.0
         self.meta_seconds = 0.0
         # Step inputs that require grad, (the user's tensor, its lazy leaf): at mark_step the leaf's
-        # gradient is passed on with `torch.autograd.backward(tensor, grad)` (pydisc/step.py)
+        # gradient is passed on with `torch.autograd.backward(tensor, grad)` (pydisc/driver/step.py)
         self.grad_inputs: list[tuple[torch.Tensor, LazyTensor]] = []
         # frontend/fast.py, where installed: the device data of a fast value read before mark_step
         self.fast_read: Callable[[LazyTensor], torch.Tensor] | None = None

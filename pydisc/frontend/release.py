@@ -1,6 +1,6 @@
 """Releasing lazy tensors: each live lazy tensor becomes, in place, the plain tensor of its device data.
 
-Once the whole-step choice (pydisc/step_choice.py) has kept eager execution for the rest of the
+Once the whole-step choice (pydisc/driver/step_choice.py) has kept eager execution for the rest of the
 process, the recorder's pass-through still routes every op that touches a lazy tensor (parameters,
 buffers, optimizer state: most of a training step's ops) through the Python wrapper, 15-30 µs each.
 Releasing removes that: `torch.utils.swap_tensors` (what torch's own module conversion uses under

@@ -6,7 +6,7 @@ the same env, the Python dispatcher keeps C++ kernels such as `matmul` from spec
 dispatch mode catches factory ops (`torch.arange(T)`) whose sizes derive from a dynamic dim. Arguments
 recorded as `SymInt` keep their expression (`view(x, [2*s0, 64])`), so the plan knows which ints
 depend on which input size. This costs milliseconds per op, so it happens once per template; later
-steps are recorded concretely and matched against the template (`pydisc/dynamic.py`).
+steps are recorded concretely and matched against the template (`pydisc/driver/dynamic.py`).
 
 Symbols are named by their source: the `ordinal`-th tensor made lazy in the step (a module input or a
 `pydisc.to_lazy` call) or the `index`-th eager tensor the step reads, and a dim.

@@ -18,7 +18,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import pydisc
 import pydisc.cluster
-from pydisc import step as pstep
+from pydisc.driver import step as pstep
 from pydisc.cluster import attention as A
 from pydisc.cluster import attention_ops
 from pydisc.frontend.decompositions import _LIBRARY_TABLE

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import pydisc
 from pydisc.config import CONFIG
-from pydisc.step import clear_plans
+from pydisc.driver.step import clear_plans
 
 
 class Net(nn.Module):

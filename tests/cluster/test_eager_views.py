@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pydisc
-from pydisc import step as pstep
+from pydisc.driver import step as pstep
 from pydisc.cluster import partition as P
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "models"))

@@ -8,8 +8,8 @@ import torch
 import pydisc
 from pydisc.config import CONFIG
 from pydisc.exec import choices
-from pydisc.plan import CompiledCluster
-from pydisc.step import clear_plans
+from pydisc.exec.clusters import CompiledCluster
+from pydisc.driver.step import clear_plans
 
 
 @pytest.fixture
@@ -176,7 +176,7 @@ def _training(steps: int, lazy: bool, seed: int = 0):
 def step_choice_cpu(monkeypatch, own_choices):
     """The step choice on, on the CPU; its early probe (a plain eager step against recording) off, unless
     the test turns it on: on these tiny models its outcome would depend on timing."""
-    from pydisc import step_choice
+    from pydisc.driver import step_choice
 
     monkeypatch.setattr(CONFIG, "step_choice", "cpu")
     monkeypatch.setattr(step_choice, "PROBE_AFTER", 10 ** 9)
@@ -397,7 +397,7 @@ def test_step_choice_windows_take_turns_and_the_fastest_counts(step_choice_cpu, 
     # the 4 timed at their ends (the first step of a window, where modes switch, is not: a compiled
     # step captured again there costs once in a training loop); the fastest window of each mode decides.
     # A step that plans after an eager window ends the measurement with the windows timed so far.
-    from pydisc import step_choice
+    from pydisc.driver import step_choice
     from pydisc.frontend.lazy_tensor import RECORDER
 
     clock = [0.0]
@@ -436,7 +436,7 @@ def test_step_choice_windows_take_turns_and_the_fastest_counts(step_choice_cpu, 
 def _faked_steps(monkeypatch, device: torch.device):
     """The step choice on fake clocks, nothing released: (the clock, `steps(n, compiled, eager, plan)`,
     which runs n steps, each `compiled` or `eager` seconds by the mode it runs in, and returns the modes)."""
-    from pydisc import step_choice
+    from pydisc.driver import step_choice
     from pydisc.frontend.lazy_tensor import RECORDER
 
     clock = [0.0]
@@ -462,7 +462,7 @@ def test_kept_compiled_steps_are_measured_again_when_their_time_drifts(step_choi
     # times faster or slower than the compiled windows were (the load that slowed the eager windows has
     # gone) times the windows again, which can then keep eager; at most RECHECKS times per process. Steps
     # of plans the windows did not run (sampling after training) are not the machine changing.
-    from pydisc import step_choice
+    from pydisc.driver import step_choice
     from pydisc.frontend.lazy_tensor import RECORDER
 
     clock, steps = _faked_steps(monkeypatch, torch.device("cpu"))
@@ -494,7 +494,7 @@ def test_on_a_gpu_compiled_steps_kept_are_not_watched(step_choice_cpu, monkeypat
     # between the mark_steps of a device-bound step is not its time (the chain on the H200: 0.58 ms against
     # 1.87 in the synchronised windows), and it moves with syncs and captures on a machine that does not
     # change. Compiled steps kept there are not measured again, whatever the time between mark_steps.
-    from pydisc import step_choice
+    from pydisc.driver import step_choice
 
     monkeypatch.setattr(CONFIG, "step_choice", "all")
     # (a CUDA device only named: the clocks are faked and nothing is captured)
@@ -514,7 +514,7 @@ def test_a_step_that_records_slower_than_a_plain_eager_step_keeps_eager_without_
     # timed. Recording took more than RECORDING_BOUND times as long -> eager is kept at once, nothing is
     # compiled; otherwise the tensors are made lazy again and steps record and compile. The bound is set to
     # always (0) or never (1e9) so that the outcome does not depend on timing; the training matches eager.
-    from pydisc import step_choice
+    from pydisc.driver import step_choice
     from pydisc.frontend import lazy_tensor
 
     monkeypatch.setattr(CONFIG, "compile_after", 2)     # the default: a new graph runs eagerly once

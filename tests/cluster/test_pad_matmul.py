@@ -13,7 +13,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import pydisc
 import pydisc.cluster
-from pydisc import step as pstep
+from pydisc.driver import step as pstep
 from pydisc.cluster import pad_matmul as PM
 from pydisc.cluster import pad_unaligned_matmuls
 

@@ -154,7 +154,7 @@ def scenario_cache(rank: int, world: int) -> dict:
     """Both ranks compile the same clusters at the same time into one empty cache folder; then each
     loads them back from disk."""
     from pydisc.exec import clear_cache, configured_disk_cache
-    from pydisc.step import clear_plans
+    from pydisc.driver.step import clear_plans
 
     def step() -> float:
         torch.manual_seed(0)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import pydisc
-from pydisc import dynamic
+from pydisc.driver import dynamic
 from pydisc.config import CONFIG
-from pydisc.step import clear_plans
+from pydisc.driver.step import clear_plans
 
 
 @pytest.fixture(autouse=True)

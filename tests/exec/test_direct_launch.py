@@ -18,7 +18,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 import pydisc
-from pydisc import step as pstep
+from pydisc.driver import step as pstep
 from pydisc.config import CONFIG
 from pydisc.exec import clear_cache
 from pydisc.exec.direct.kernels import read_executables

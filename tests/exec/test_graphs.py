@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import pydisc
-from pydisc import step as pstep
+from pydisc.driver import step as pstep
 from pydisc.exec import graphs
 from pydisc.metrics import METRICS
 

@@ -38,7 +38,7 @@ def test_precompile_warms_an_empty_cache(tmp_path):
 
 
 def test_corrupted_log_line_is_refused(tmp_path):
-    from pydisc.shape_log import read_log
+    from pydisc.driver.shape_log import read_log
     log = tmp_path / "shapes.jsonl"
     log.write_text(json.dumps({"device": "cpu", "sha256": "0" * 64, "mlir": "module {}"}) + "\n")
     import pytest

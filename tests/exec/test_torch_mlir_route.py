@@ -22,7 +22,7 @@ from pydisc.exec.target import CPU_TARGET
 from pydisc.frontend import torch_mlir
 from pydisc.frontend.decompositions import DECOMPOSITIONS
 from pydisc.frontend.lowering import LOWERINGS
-from pydisc.step import clear_plans
+from pydisc.driver.step import clear_plans
 
 aten = torch.ops.aten
 

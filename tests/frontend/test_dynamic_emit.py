@@ -23,7 +23,8 @@ from pydisc.frontend.decompositions import DECOMPOSITIONS
 from pydisc.frontend.emit import TensorSpec, emit_cluster, unsupported_reason
 from pydisc.frontend.lowering.symbolic import reshape_groups
 from pydisc.metrics import METRICS
-from pydisc.plan import CompiledCluster, StepPlan, plan_graph
+from pydisc.driver.plan import StepPlan, plan_graph
+from pydisc.exec.clusters import CompiledCluster
 
 aten = torch.ops.aten
 CPU = torch.device("cpu")

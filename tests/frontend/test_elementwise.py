@@ -147,7 +147,7 @@ def test_bf16_rounding_with_dynamic_sizes_compiles() -> None:
     """The same rounding in a cluster with dynamic dims, where IREE 3.13 crashes on reduce_precision:
     done on the bits instead, compiled (not left to eager), with eager's values to the bit."""
     import pydisc
-    from pydisc import step as pstep
+    from pydisc.driver import step as pstep
 
     def fn(x):
         return (x.to(torch.bfloat16) * 3).float() + 1

@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import pydisc
-from pydisc import dynamic
+from pydisc.driver import dynamic
 from pydisc.frontend import fast
 from pydisc.metrics import METRICS
 

@@ -180,7 +180,7 @@ def test_foreach_entries_in_steps_with_dynamic_dims_match_one_template() -> None
     import torch.nn.functional as F
     from torch import nn
 
-    from pydisc import step as pstep
+    from pydisc.driver import step as pstep
 
     class LM(nn.Module):
         def __init__(self):

@@ -114,7 +114,7 @@ def test_a_step_recorded_with_symbolic_sizes_records_them_whole_too():
     # the template of a dynamic batch is recorded with symbolic sizes (under a dispatch mode of pydisc's
     # own); later steps, recorded with concrete sizes, must record the same ops to match it
     from pydisc.frontend.lazy_tensor import RECORDER
-    from pydisc.step import clear_plans
+    from pydisc.driver.step import clear_plans
 
     clear_plans()
     torch.manual_seed(0)

@@ -258,7 +258,7 @@ def test_a_new_graph_runs_eagerly_and_compiles_when_it_comes_back(monkeypatch):
     # (it creates the momentum buffers) is a graph seen once: it runs eagerly and is never compiled;
     # the steady step runs eagerly once, compiles on its second run and is taken from the cache after
     from pydisc.config import CONFIG
-    from pydisc.step import clear_plans
+    from pydisc.driver.step import clear_plans
 
     monkeypatch.setattr(CONFIG, "compile_after", 2)
     clear_plans()

@@ -6,7 +6,7 @@ import torch
 
 import pydisc
 from pydisc.frontend.lazy_tensor import RECORDER
-from pydisc.step import clear_plans
+from pydisc.driver.step import clear_plans
 
 aten = torch.ops.aten
 

@@ -6,7 +6,7 @@ import torch
 import pydisc
 from pydisc.config import CONFIG
 from pydisc.frontend import replay
-from pydisc.step import clear_plans
+from pydisc.driver.step import clear_plans
 
 N = 4099     # a size no other tensor of the process has
 

@@ -17,7 +17,7 @@ from torch._decomp import core_aten_decompositions
 import pydisc
 from pydisc.config import CONFIG
 from pydisc.frontend import decompositions
-from pydisc.step import clear_plans
+from pydisc.driver.step import clear_plans
 
 aten = torch.ops.aten
 MATMULS = {"aten.mm.default", "aten.bmm.default", "aten.addmm.default", "aten.baddbmm.default"}
@@ -190,7 +190,7 @@ def test_numerics_check_catches_a_decomposition_that_feeds_an_eager_backward_wro
 def test_numerics_check_catches_a_wrong_value_outside_every_cluster(monkeypatch, fresh_plans) -> None:
     """An eager op of the plan (not in any cluster) made to return a wrong value is seen by the check of
     the whole step, which the per-cluster check cannot see."""
-    from pydisc import step as step_module
+    from pydisc.driver import step as step_module
 
     monkeypatch.setattr(CONFIG, "check_every", 1)
     original = step_module.build_plan

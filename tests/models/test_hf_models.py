@@ -57,7 +57,7 @@ LENGTHS = [8, 12, 16, 10, 14, 9, 11, 13, 15, 7, 12, 16, 10, 14, 9, 11, 13, 15, 8
 @pytest.fixture
 def fresh_plans():
     """A dynamic-shape template serves one model: tests of other models start without it."""
-    from pydisc.step import clear_plans
+    from pydisc.driver.step import clear_plans
 
     clear_plans()
     yield

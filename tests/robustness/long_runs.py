@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import pydisc
-import pydisc.step as pstep
+import pydisc.driver.step as pstep
 from pydisc.exec import compiler
 from pydisc.frontend import lazy_tensor
 from pydisc.frontend.lazy_tensor import RECORDER, LazyTensor
@@ -37,8 +37,8 @@ class Footprint:
     lazy_tensors: int           # live LazyTensor objects
     pending_entries: int        # recorded ops of the pending trace
     trace_tensors: int          # weak references the pending trace keeps
-    plans: int                  # pydisc.step._PLANS
-    seen_ops: int               # pydisc.step._SEEN_OPS (recompile explanations)
+    plans: int                  # pydisc.driver.step._PLANS
+    seen_ops: int               # pydisc.driver.step._SEEN_OPS (recompile explanations)
     vmfb_cache: int             # compiled executables kept in memory
     module_cache: int           # loaded modules kept in memory
     meta_cache: int             # output metadata per (op, input layouts)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import pydisc
-import pydisc.step as pstep
+import pydisc.driver.step as pstep
 from pydisc.frontend.lazy_tensor import RECORDER
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

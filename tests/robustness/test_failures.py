@@ -13,9 +13,9 @@ import torch
 import pydisc
 import pydisc.diagnostics as diagnostics
 import pydisc.exec as pexec
-import pydisc.step as pstep
+import pydisc.driver.step as pstep
 from pydisc.exec.module import CompiledModule
-from pydisc.plan import CompiledCluster
+from pydisc.exec.clusters import CompiledCluster
 
 
 class Boom(Exception):

@@ -7,7 +7,8 @@ import os
 import pytest
 
 import pydisc.diagnostics as diagnostics
-from pydisc import files, plan, shape_log
+from pydisc import files
+from pydisc.driver import plan, shape_log
 from pydisc.config import CONFIG
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import pydisc
-import pydisc.step as pstep
+import pydisc.driver.step as pstep
 from pydisc.frontend import lazy_tensor
 from pydisc.frontend.lazy_tensor import RECORDER
 
@@ -140,7 +140,7 @@ def test_same_scalars_in_every_layer_compile_one_executable_per_layer_kind(tmp_p
 def test_scalars_read_by_each_kernel_where_a_read_would_be_a_copy(tmp_path, monkeypatch):
     """On CUDA each scalar read behind the shared barrier is a buffer copy launched with the module:
     there the kernels read the scalars themselves. Same values as eager."""
-    from pydisc import plan as pplan
+    from pydisc.driver import plan as pplan
     monkeypatch.setattr(pplan, "_share_scalars", lambda device: False)
     monkeypatch.setattr(pstep.CONFIG, "dump_dir", str(tmp_path))
     pstep.clear_plans()

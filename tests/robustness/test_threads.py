@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import pydisc
-import pydisc.step as pstep
+import pydisc.driver.step as pstep
 from pydisc.frontend.lazy_tensor import RECORDER
 
 

@@ -12,9 +12,9 @@ import json
 
 import torch
 
-from . import files
-from .config import CONFIG
-from .diagnostics import warn_once
+from .. import files
+from ..config import CONFIG
+from ..diagnostics import warn_once
 
 __all__ = ["record_cluster", "read_log"]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .frontend.lazy_tensor import LazyTensor
+from ..frontend.lazy_tensor import LazyTensor
 
 __all__ = ["install_optimizer_hook", "completed", "abandoned"]
 

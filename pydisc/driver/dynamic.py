@@ -22,12 +22,12 @@ from dataclasses import dataclass, field
 import sympy
 import torch
 
-from .config import CONFIG
-from .frontend.fast import set_gate as set_fast_gate
-from .frontend.lazy_tensor import RECORDER, _opinfo
-from .frontend.replay import Program
-from .frontend.symbolic import SymExpr
-from .frontend.trace import RealRef, ScalarRef, Trace, ValueRef
+from ..config import CONFIG
+from ..frontend.fast import set_gate as set_fast_gate
+from ..frontend.lazy_tensor import RECORDER, _opinfo
+from ..frontend.replay import Program
+from ..frontend.symbolic import SymExpr
+from ..frontend.trace import RealRef, ScalarRef, Trace, ValueRef
 
 __all__ = ["mark_dynamic", "DYNAMIC", "Template", "Binding", "match_template", "clear"]
 
@@ -35,7 +35,7 @@ __all__ = ["mark_dynamic", "DYNAMIC", "Template", "Binding", "match_template", "
 def mark_dynamic(t: torch.Tensor, dim: int | list[int] | tuple[int, ...]) -> torch.Tensor:
     """Declare dim(s) `dim` of the step input `t` dynamic: the first compile already serves every
     size of it. Call it on the eager tensor before it enters the model (or `pydisc.to_lazy`)."""
-    from .frontend.lazy_tensor import LazyTensor
+    from ..frontend.lazy_tensor import LazyTensor
 
     if isinstance(t, LazyTensor):
         raise TypeError("pydisc.mark_dynamic: call it on the eager input tensor before it is passed to the "
@@ -151,7 +151,7 @@ class Template:
     fakes: list | None = None        # fake inputs to plan with, until the plan is built
     sources: list | None = None
     steps: int = 0
-    building: bool = False           # its plan is being built in the background (pydisc/background.py)
+    building: bool = False           # its plan is being built in the background (pydisc/driver/background.py)
 
 
 @dataclass

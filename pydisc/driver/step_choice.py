@@ -48,12 +48,12 @@ import time
 
 import torch
 
-from .config import CONFIG, applies
-from .diagnostics import log, warn_once
-from .exec import graphs
-from .frontend.lazy_tensor import RECORDER
-from .frontend.release import release_all, restore
-from .metrics import METRICS
+from ..config import CONFIG, applies
+from ..diagnostics import log, warn_once
+from ..exec import graphs
+from ..frontend.lazy_tensor import RECORDER
+from ..frontend.release import release_all, restore
+from ..metrics import METRICS
 
 __all__ = ["after_mark_step", "distributed", "holds_passthrough", "measuring", "note_read_run", "reset"]
 
@@ -255,7 +255,7 @@ def _relazy(s: _State) -> bool:
 
 def _record_again() -> None:
     """Steps record from the next one on, or pass through while a plan is built in the background."""
-    from . import background   # (it imports this module)
+    from . import background #(it imports this module)
     RECORDER.passthrough = background.pending()
 
 

@@ -26,9 +26,9 @@ from typing import Callable
 import torch
 
 from . import step_choice
-from .config import CONFIG, applies
-from .frontend.lazy_tensor import RECORDER
-from .metrics import METRICS
+from ..config import CONFIG, applies
+from ..frontend.lazy_tensor import RECORDER
+from ..metrics import METRICS
 from .plan import build_plan
 
 __all__ = ["enabled", "start", "collect", "join", "pending", "note_step", "reset"]

@@ -14,17 +14,18 @@ from collections import Counter
 
 import torch
 
-from .config import CONFIG
-from .diagnostics import explain_recompile, log, warn_once
-from .frontend.lazy_tensor import (PRUNE_FIRST_AT, RECORDER, LazyTensor, _flat_base, _layout, _view_of_base, materialize,
+from ..config import CONFIG
+from ..diagnostics import explain_recompile, log, warn_once
+from ..frontend.lazy_tensor import (PRUNE_FIRST_AT, RECORDER, LazyTensor, _flat_base, _layout, _view_of_base, materialize,
                                    set_executor)
 from . import background, dynamic, optimizer_state, step_choice
 from .dynamic import Binding
-from .exec import graphs
-from .frontend import fast
-from .frontend.replay import NotDynamic, Program, concrete_program, program_from_trace, symbolic_program
-from .frontend.trace import LazyStorage, Trace
-from .metrics import METRICS
+from ..exec import graphs
+from ..exec.errors import DeviceOutOfMemoryError, is_out_of_memory
+from ..frontend import fast
+from ..frontend.replay import NotDynamic, Program, concrete_program, program_from_trace, symbolic_program
+from ..frontend.trace import LazyStorage, Trace
+from ..metrics import METRICS
 from .plan import StepPlan, build_plan
 from .step_check import StepCheck
 
@@ -375,14 +376,12 @@ def _scalars(values: list, device: torch.device) -> torch.Tensor:
 
 
 def _is_out_of_memory(exc: BaseException) -> bool:
-    from .exec.errors import is_out_of_memory
     return is_out_of_memory(exc)
 
 
 def _out_of_memory(exc: BaseException, trace: Trace) -> RuntimeError:
     """The error a step that ran out of memory raises: what ran out (the cluster or eager op, how much it
     asked for, what the device has left), what became of the user's tensors, and what to do."""
-    from .exec.errors import DeviceOutOfMemoryError
     device = _step_device(trace)
     where = getattr(exc, "where", "") or _eager_op_of(exc)
     nbytes = getattr(exc, "nbytes", None)
@@ -528,7 +527,7 @@ def _plan_concrete(trace: Trace, key: tuple, executed: list[int], outputs: tuple
     _SEEN_OPS[ops] = (key, shapes)
     METRICS.graph_cache_misses += 1
     if background.enabled(device):
-        # this step runs eagerly now, its plan is built in a thread (pydisc/background.py)
+        # this step runs eagerly now, its plan is built in a thread (pydisc/driver/background.py)
         run_now()
         background.start(program, inputs, device, sources, lambda plan: _plan_ready(key, plan),
                          lambda exc: _plan_failed(key, program, exc))
