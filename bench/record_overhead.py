@@ -157,7 +157,7 @@ def _time_runners() -> list[float]:
     """Wrap the runner of every cached step plan so its calls are timed. This reaches into pydisc's
     plan cache (there is no public hook): what is left of mark_step is the key build, the cache
     lookup and binding the results to the lazy tensors."""
-    from pydisc.driver.step import _PLANS
+    from pydisc.driver.engine import ENGINE
 
     seconds: list[float] = []
 
@@ -169,7 +169,7 @@ def _time_runners() -> list[float]:
             return out
         return run
 
-    for plan in _PLANS.values():
+    for plan in ENGINE.plans.values():
         if not getattr(plan, "_bench_timed", False):
             plan.runner, plan._bench_timed = timed(plan.runner), True
     return seconds

@@ -7,3 +7,8 @@ builds plans in a thread, `optimizer_state` rolls back eager optimizer counters 
 `step_check` compares steps with eager under PYDISC_CHECK, `shape_log` logs compiled clusters. The
 per-process state of all of them is owned by `engine.ENGINE` (docs/architecture.md).
 """
+from ..frontend.lazy_tensor import install_driver
+from . import dynamic, step
+
+install_driver(run=lambda t, reason: step.run_pending(t, reason), prune=step.prune_pending,
+               dims_of=dynamic.dims_of)

@@ -25,13 +25,13 @@ from typing import Callable
 
 import torch
 
-from . import step_choice
 from ..config import CONFIG, applies
-from ..frontend.lazy_tensor import RECORDER
 from ..metrics import METRICS
+from . import step_choice
+from .engine import ENGINE
 from .plan import build_plan
 
-__all__ = ["enabled", "start", "collect", "join", "pending", "note_step", "reset"]
+__all__ = ["enabled", "start", "collect", "join", "pending", "note_step"]
 
 
 class _Job:
@@ -50,7 +50,6 @@ class _Job:
             self.result.append(exc)
 
 
-_JOBS: list[_Job] = []
 # While a plan is built, its thread (tracing, partitioning, emitting: Python) and the steps running in
 # the main thread share the GIL. A thread that waits for it gets it after the switch interval (5 ms by
 # default), and a step's torch ops give it up and take it back many times: on the H200 host, steps
@@ -60,7 +59,6 @@ _JOBS: list[_Job] = []
 # 253-328 ms at 0.2 ms against 316-824 ms at 5 ms, 28-40 ms eager); the process's own interval is put
 # back when they are done. Planning in another process would remove the contention.
 SWITCH_INTERVAL = 0.0002
-_saved_interval: list[float] = []
 
 
 def enabled(device: torch.device) -> bool:
@@ -70,7 +68,7 @@ def enabled(device: torch.device) -> bool:
 
 
 def pending() -> bool:
-    return bool(_JOBS)
+    return bool(ENGINE.jobs)
 
 
 def start(program, inputs: list, device: torch.device, sources: list, done: Callable,
@@ -78,22 +76,22 @@ def start(program, inputs: list, device: torch.device, sources: list, done: Call
     """Build `program`'s plan in a thread; `done(plan)` or `failed(exc)` run on the main thread when it is
     ready (`collect`). Steps pass through meanwhile. Call after the step that asked has run."""
     job = _Job(program, inputs, device, sources, done, failed)
-    if not _JOBS and not _saved_interval:
-        _saved_interval.append(sys.getswitchinterval())
-        sys.setswitchinterval(min(SWITCH_INTERVAL, _saved_interval[0]))
-    _JOBS.append(job)
+    if not ENGINE.jobs and not ENGINE.saved_interval:
+        ENGINE.saved_interval.append(sys.getswitchinterval())
+        sys.setswitchinterval(min(SWITCH_INTERVAL, ENGINE.saved_interval[0]))
+    ENGINE.jobs.append(job)
     METRICS.background_compiles += 1
-    RECORDER.passthrough = True
+    ENGINE.set_passthrough(True)
     job.thread.start()
 
 
 def collect() -> None:
     """Apply the plans that are ready. Main thread, recorder lock held."""
     failure = None
-    for job in list(_JOBS):
+    for job in list(ENGINE.jobs):
         if job.thread.is_alive():
             continue
-        _JOBS.remove(job)
+        ENGINE.jobs.remove(job)
         METRICS.background_seconds += time.perf_counter() - job.started
         result = job.result[0]
         if isinstance(result, BaseException):
@@ -103,33 +101,21 @@ def collect() -> None:
                 failure = failure or exc
         else:
             job.done(result)
-    if not _JOBS:
-        _restore_interval()
-        if RECORDER.passthrough and not step_choice.holds_passthrough():
-            RECORDER.passthrough = False
+    if not ENGINE.jobs:
+        ENGINE.restore_interval()
+        if ENGINE.passthrough and not step_choice.holds_passthrough():
+            ENGINE.set_passthrough(False)
     if failure is not None:
         raise failure
 
 
 def join() -> None:
     """Wait for the plans being built (not applied: `collect` does that)."""
-    for job in list(_JOBS):
+    for job in list(ENGINE.jobs):
         job.thread.join()
 
 
 def note_step() -> None:
     """At each mark_step: count the steps run eagerly while plans were being built."""
-    if _JOBS:
+    if ENGINE.jobs:
         METRICS.steps_while_compiling += 1
-
-
-def _restore_interval() -> None:
-    if _saved_interval:
-        sys.setswitchinterval(_saved_interval.pop())
-
-
-def reset() -> None:
-    """Wait for the plans being built and drop them (`pydisc.step.clear_plans`)."""
-    join()
-    _JOBS.clear()
-    _restore_interval()

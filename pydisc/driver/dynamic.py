@@ -17,7 +17,7 @@ of its own. `PYDISC_DYNAMIC=0` turns all of this off: one static plan per shape.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import sympy
 import torch
@@ -28,8 +28,9 @@ from ..frontend.lazy_tensor import RECORDER, _opinfo
 from ..frontend.replay import Program
 from ..frontend.symbolic import SymExpr
 from ..frontend.trace import RealRef, ScalarRef, Trace, ValueRef
+from .engine import ENGINE
 
-__all__ = ["mark_dynamic", "DYNAMIC", "Template", "Binding", "match_template", "clear"]
+__all__ = ["mark_dynamic", "Template", "Binding", "match_template", "clear"]
 
 
 def mark_dynamic(t: torch.Tensor, dim: int | list[int] | tuple[int, ...]) -> torch.Tensor:
@@ -51,32 +52,9 @@ def mark_dynamic(t: torch.Tensor, dim: int | list[int] | tuple[int, ...]) -> tor
     return t
 
 
-@dataclass
-class _State:
-    # An input is a step input by its ordinal (an int), or ("carried", k): the k-th input storage of the
-    # step, a lazy tensor an earlier step made (a KV cache).
-    flagged: dict = field(default_factory=dict)      # input -> dims
-    covered: set = field(default_factory=set)        # (input, rank, dims >= 2) with a template
-    templates: list = field(default_factory=list)
-    step_mode: dict = field(default_factory=dict)    # step id -> True (symbolic) / False (concrete)
-    force_symbolic: bool = False                     # no template matched: record the next step
-    misses: int = 0                                  # steps in a row that matched no template
-    blocked: set = field(default_factory=set)        # (input, dim) that guards pinned: static
-
-
-DYNAMIC = _State()
-
-
 def clear() -> None:
-    DYNAMIC.flagged.clear()
-    DYNAMIC.covered.clear()
-    DYNAMIC.templates.clear()
-    DYNAMIC.step_mode.clear()
-    DYNAMIC.blocked.clear()
-    DYNAMIC.force_symbolic = False
-    DYNAMIC.misses = 0
-    RECORDER.carried_dims = None
-    RECORDER.last_input_shapes = []
+    """Forget the templates and the dims flagged dynamic."""
+    ENGINE.reset_dynamic()
 
 
 def _pattern(key, real: torch.Tensor, dims) -> tuple:
@@ -89,7 +67,7 @@ def dims_of(ordinal: int, real: torch.Tensor) -> tuple:
         return ()
     marked = getattr(real, "_pydisc_dynamic", ())
     if marked:      # remembered: a later step's changed sizes in these dims are nothing new
-        DYNAMIC.flagged.setdefault(ordinal, set()).update(marked)
+        ENGINE.dynamic.flagged.setdefault(ordinal, set()).update(marked)
     return _dynamic_dims(ordinal, real)
 
 
@@ -100,22 +78,20 @@ def carried_dims(index: int, real: torch.Tensor) -> tuple:
 
 
 def _dynamic_dims(key, real: torch.Tensor) -> tuple:
-    dims = {d for d in DYNAMIC.flagged.get(key, ()) if (key, d) not in DYNAMIC.blocked}
+    dims = {d for d in ENGINE.dynamic.flagged.get(key, ()) if (key, d) not in ENGINE.dynamic.blocked}
     pattern = _pattern(key, real, dims)
     if not pattern[2]:
         return ()       # sizes 0 and 1 are specialised: nothing to make symbolic in this input
     epoch = RECORDER.step_id
-    mode = DYNAMIC.step_mode.get(epoch)
+    mode = ENGINE.dynamic.step_mode.get(epoch)
     if mode is None:
         # the step's first dynamic input decides: symbolic unless a template covers its sizes
-        mode = DYNAMIC.force_symbolic or pattern not in DYNAMIC.covered
-        DYNAMIC.step_mode.clear()
-        DYNAMIC.step_mode[epoch] = mode
-        DYNAMIC.force_symbolic = False
+        mode = ENGINE.dynamic.force_symbolic or pattern not in ENGINE.dynamic.covered
+        ENGINE.dynamic.step_mode.clear()
+        ENGINE.dynamic.step_mode[epoch] = mode
+        ENGINE.dynamic.force_symbolic = False
     return tuple(sorted(dims)) if mode else ()
 
-
-RECORDER.dims_of = dims_of
 
 
 def _fast_gate() -> bool:
@@ -123,7 +99,7 @@ def _fast_gate() -> bool:
     matched to a template, so none while dims are dynamic; nor a step whose inputs so far have other
     sizes than the step before's: the dispatcher records it and its changed dims are found (and the
     step choice's probe times the recording that the steps to come will have)."""
-    if DYNAMIC.flagged:
+    if ENGINE.dynamic.flagged:
         return False
     shapes, last = RECORDER.input_shapes, RECORDER.last_input_shapes
     return not (CONFIG.dynamic and last and shapes != last[:len(shapes)])
@@ -354,16 +330,12 @@ class _NoMatch(Exception):
     pass
 
 
-# Why the last template tried did not fit (shown in the recompile reason of a step that ran eagerly).
-LAST_MISMATCH = [""]
-
-
 def match_template(template: Template, trace: Trace, executed: list[int], outputs: tuple) -> Binding | None:
     """Bind the concrete step (`executed` entries of `trace`, `outputs`) to `template`, or None."""
     try:
         return _match(template, trace, executed, outputs)
     except _NoMatch as e:
-        LAST_MISMATCH[0] = str(e)
+        ENGINE.dynamic.last_mismatch = str(e)
         return None
 
 
@@ -698,8 +670,8 @@ def flag(changed: dict) -> bool:
     """Mark the changed dims dynamic; True if any was not dynamic yet (and not pinned by a guard)."""
     new = False
     for key, dims in changed.items():
-        dims = {d for d in dims if (key, d) not in DYNAMIC.blocked}
-        have = DYNAMIC.flagged.setdefault(key, set())
+        dims = {d for d in dims if (key, d) not in ENGINE.dynamic.blocked}
+        have = ENGINE.dynamic.flagged.setdefault(key, set())
         if not dims <= have:
             have.update(dims)
             new = True

@@ -16,16 +16,16 @@ import torch
 
 from ..config import CONFIG
 from ..diagnostics import explain_recompile, log, warn_once
-from ..frontend.lazy_tensor import (PRUNE_FIRST_AT, RECORDER, LazyTensor, _flat_base, _layout, _view_of_base, materialize,
-                                   set_executor)
-from . import background, dynamic, optimizer_state, step_choice
-from .dynamic import Binding
 from ..exec import graphs
 from ..exec.errors import DeviceOutOfMemoryError, is_out_of_memory
 from ..frontend import fast
+from ..frontend.lazy_tensor import (PRUNE_FIRST_AT, RECORDER, LazyTensor, _flat_base, _layout, _view_of_base, materialize)
 from ..frontend.replay import NotDynamic, Program, concrete_program, program_from_trace, symbolic_program
 from ..frontend.trace import LazyStorage, Trace
 from ..metrics import METRICS
+from . import background, dynamic, optimizer_state, step_choice
+from .dynamic import Binding
+from .engine import ENGINE
 from .plan import StepPlan, build_plan
 from .step_check import StepCheck
 
@@ -35,20 +35,10 @@ __all__ = ["run_pending", "prune_pending", "clear_plans"]
 # A read mid-step whose value needs at most this many recorded ops runs them in torch (`_run`).
 SMALL_READ_OPS = 16
 
-_PLANS: dict[tuple, StepPlan] = {}
-_SEEN_OPS: dict[tuple, tuple] = {}   # op sequence -> last structural key planned for it (recompile explainer)
-_SIGHTINGS: Counter = Counter()      # structural key -> steps that ran it eagerly before it is compiled
-
 
 def clear_plans() -> None:
-    background.reset()
-    graphs.release_memory()
-    _PLANS.clear()
-    _SEEN_OPS.clear()
-    _SIGHTINGS.clear()
-    dynamic.clear()
-    step_choice.reset()
-    RECORDER.capture_sources = True     # the next step plans: its ops' source lines are wanted
+    """Forget every plan, template and measurement (`Engine.reset`)."""
+    ENGINE.reset()
 
 
 def _step_device(trace: Trace) -> torch.device:
@@ -265,7 +255,7 @@ def _run(trace: Trace, target: LazyTensor | None) -> tuple:
     else:
         started = time.perf_counter()
         key = _concrete_key(trace, executed, outputs)
-        plan = _PLANS.get(key)
+        plan = ENGINE.plans.get(key)
         if plan is None and RECORDER.gc_paused and gc.collect(0):
             # The cyclic GC is paused while a step records: a lazy tensor held only by a reference
             # cycle (frames of an exception caught inside a meta kernel, a module imported by one)
@@ -273,7 +263,7 @@ def _run(trace: Trace, target: LazyTensor | None) -> tuple:
             # it, would plan again. Collected here, before planning, rather than on every step.
             outputs = _select_outputs(trace, executed, remaining)
             key = _concrete_key(trace, executed, outputs)
-            plan = _PLANS.get(key)
+            plan = ENGINE.plans.get(key)
         METRICS.lookup_seconds += time.perf_counter() - started
         if plan is None:
             plan = _plan_concrete(trace, key, executed, outputs, inputs, device, remaining)
@@ -296,7 +286,7 @@ def _run(trace: Trace, target: LazyTensor | None) -> tuple:
                         return None, False, device
                     binding = None
                 elif not _build_template(binding, device):
-                    _PLANS.pop(key, None)   # this step's sizes break a guard that planning added
+                    ENGINE.plans.pop(key, None)   # this step's sizes break a guard that planning added
                     binding = None
                 if binding is None:   # eagerly, this once
                     plan = StepPlan(program_from_trace(trace, executed, outputs))
@@ -347,7 +337,7 @@ def _run(trace: Trace, target: LazyTensor | None) -> tuple:
         program = concrete_program(trace, executed, outputs)
         plan = StepPlan(program, Counter(str(e[0]) for e in program.entries))
         if key is not None:
-            _PLANS[key] = plan
+            ENGINE.plans[key] = plan
         results = program(*inputs)
         check, refused = None, False
     if refused:
@@ -461,18 +451,18 @@ def _plan_concrete(trace: Trace, key: tuple, executed: list[int], outputs: tuple
     dynamic-shape template instead of compiling for this one shape), or the structure is new
     (`PYDISC_COMPILE_AFTER`)."""
     ops = tuple(sig[0] for sig in key[3])
-    if CONFIG.dynamic and dynamic.DYNAMIC.templates:
-        for template in dynamic.DYNAMIC.templates:
+    if CONFIG.dynamic and ENGINE.dynamic.templates:
+        for template in ENGINE.dynamic.templates:
             binding = dynamic.match_template(template, trace, executed, outputs)
             if binding is not None:
-                dynamic.DYNAMIC.misses = 0
+                ENGINE.dynamic.misses = 0
                 log("recompiles", "step matches a dynamic-shape plan with sizes %s", binding.sizes)
                 METRICS.dynamic_matches += 1
-                _PLANS[key] = binding
-                _SEEN_OPS[ops] = (key, _inputs_seen(trace))
+                ENGINE.plans[key] = binding
+                ENGINE.seen_ops[ops] = (key, _inputs_seen(trace))
                 return binding
     sources = [trace.entries[i].source for i in executed]
-    seen, seen_inputs = _SEEN_OPS.get(ops, (None, None))
+    seen, seen_inputs = ENGINE.seen_ops.get(ops, (None, None))
     shapes = _inputs_seen(trace)
     program = program_from_trace(trace, executed, outputs)
 
@@ -484,7 +474,7 @@ def _plan_concrete(trace: Trace, key: tuple, executed: list[int], outputs: tuple
     def run_eagerly(reason: str) -> None:
         METRICS.recompiles.append(reason)
         log("recompiles", "%s", reason)
-        _SEEN_OPS[ops] = (key, shapes)
+        ENGINE.seen_ops[ops] = (key, shapes)
         METRICS.dynamic_eager_steps += 1
         run_now()
 
@@ -495,27 +485,27 @@ def _plan_concrete(trace: Trace, key: tuple, executed: list[int], outputs: tuple
             run_eagerly(dynamic.describe(changed) + "; this step runs eagerly and the next one records "
                         "these dims as dynamic")
             return None
-        if dynamic.DYNAMIC.step_mode.get(RECORDER.step_id) is False and \
-                len(dynamic.DYNAMIC.templates) < dynamic.MAX_TEMPLATES:
+        if ENGINE.dynamic.step_mode.get(RECORDER.step_id) is False and \
+                len(ENGINE.dynamic.templates) < dynamic.MAX_TEMPLATES:
             # inputs with dynamic dims, recorded concretely, and no template fits (the first step of
             # an optimizer creates its state, later ones do not): run eagerly rather than compile for
             # these shapes; after two such steps in a row, record the next step as a new template
-            dynamic.DYNAMIC.misses += 1
-            dynamic.DYNAMIC.force_symbolic = dynamic.DYNAMIC.misses >= 2
-            why = dynamic.LAST_MISMATCH[0] if dynamic.DYNAMIC.templates else ""
+            ENGINE.dynamic.misses += 1
+            ENGINE.dynamic.force_symbolic = ENGINE.dynamic.misses >= 2
+            why = ENGINE.dynamic.last_mismatch if ENGINE.dynamic.templates else ""
             run_eagerly("a step with dynamic inputs matches no dynamic-shape plan%s; it runs eagerly%s" % (
                 " (the last template tried: %s)" % why if why else "",
-                " and the next one is recorded as a new template" if dynamic.DYNAMIC.force_symbolic else ""))
+                " and the next one is recorded as a new template" if ENGINE.dynamic.force_symbolic else ""))
             return None
-    if _SIGHTINGS[key] + 1 < CONFIG.compile_after:
+    if ENGINE.sightings[key] + 1 < CONFIG.compile_after:
         # a graph seen for the first time runs eagerly; it is compiled when it comes back
-        _SIGHTINGS[key] += 1
-        _SEEN_OPS[ops] = (key, shapes)
+        ENGINE.sightings[key] += 1
+        ENGINE.seen_ops[ops] = (key, shapes)
         METRICS.steps_before_compile += 1
         log("recompiles", "a new step graph runs eagerly; it is compiled if it comes back")
         run_now()
         return None
-    _SIGHTINGS.pop(key, None)
+    ENGINE.sightings.pop(key, None)
     if seen is not None and seen != key:
         # the same ops as a graph planned before: say what else changed
         reason = explain_recompile(seen, key, sources)
@@ -524,7 +514,7 @@ def _plan_concrete(trace: Trace, key: tuple, executed: list[int], outputs: tuple
                       "sizes can vary without a compile per shape)"
         METRICS.recompiles.append(reason)
         log("recompiles", "planning again: %s", reason)
-    _SEEN_OPS[ops] = (key, shapes)
+    ENGINE.seen_ops[ops] = (key, shapes)
     METRICS.graph_cache_misses += 1
     if background.enabled(device):
         # this step runs eagerly now, its plan is built in a thread (pydisc/driver/background.py)
@@ -541,7 +531,7 @@ def _plan_concrete(trace: Trace, key: tuple, executed: list[int], outputs: tuple
         _bind(trace, outputs, program(*inputs), executed, remaining)
         optimizer_state.completed()
         raise
-    _PLANS[key] = plan
+    ENGINE.plans[key] = plan
     RECORDER.capture_sources = True
     return plan
 
@@ -553,7 +543,7 @@ def _plan_symbolic(trace: Trace, executed: list[int], outputs: tuple, inputs: li
     METRICS.graph_cache_misses += 1
     RECORDER.capture_sources = True
     session = trace.symbolic
-    dynamic.DYNAMIC.misses = 0
+    ENGINE.dynamic.misses = 0
     patterns = [(o, rank, made) for o, (_, made, rank) in session.conversions.items()]
     try:
         program = symbolic_program(trace, executed, outputs)
@@ -561,7 +551,7 @@ def _plan_symbolic(trace: Trace, executed: list[int], outputs: tuple, inputs: li
         reason = "a step with dynamic dims is planned for its own shapes only: %s" % exc
         warn_once("notdynamic:" + str(exc)[:80], "pydisc: " + reason)
         METRICS.recompiles.append(reason)
-        dynamic.DYNAMIC.covered.update(patterns)
+        ENGINE.dynamic.covered.update(patterns)
         program = concrete_program(trace, executed, outputs)
         METRICS.plans_compiled += 1
         return build_plan(program, inputs, device, sources), inputs, None
@@ -572,7 +562,7 @@ def _plan_symbolic(trace: Trace, executed: list[int], outputs: tuple, inputs: li
         for sym, value, where in pinned:
             kind, index, d = session.sources[sym]
             key = index if kind == "conv" else ("carried", index) if kind == "carried" else -1 - index
-            dynamic.DYNAMIC.blocked.add((key, d))
+            ENGINE.dynamic.blocked.add((key, d))
             parts.append("%s dim %d was fixed to %d%s" % (
                 dynamic.describe_input(key) if kind != "real" else "eager tensor #%d" % index, d, value,
                 " at " + where if where else ""))
@@ -584,8 +574,8 @@ def _plan_symbolic(trace: Trace, executed: list[int], outputs: tuple, inputs: li
         METRICS.recompiles.append(reason)
     template = dynamic.make_template(trace, program, None)
     template.fakes, template.sources = _fake_inputs(trace, template, scalars), sources
-    dynamic.DYNAMIC.templates.append(template)
-    dynamic.DYNAMIC.covered.update(patterns)
+    ENGINE.dynamic.templates.append(template)
+    ENGINE.dynamic.covered.update(patterns)
     METRICS.dynamic_templates += 1
     log("recompiles", "planned a dynamic-shape step: symbols %s, %d guards",
         ", ".join("%s = input %s%d dim %d" % (sym, kind, i, d) for sym, kind, i, d in program.sym_sources),
@@ -600,7 +590,7 @@ def _plan_symbolic(trace: Trace, executed: list[int], outputs: tuple, inputs: li
 
 def _plan_ready(key: tuple, plan: StepPlan) -> None:
     METRICS.plans_compiled += 1
-    _PLANS[key] = plan
+    ENGINE.plans[key] = plan
     RECORDER.capture_sources = True
 
 
@@ -609,7 +599,7 @@ def _plan_failed(key: tuple, program: Program, exc: BaseException) -> None:
               "pydisc: building a step's plan in the background failed (%s: %s); this graph runs eagerly "
               "from now on" % (type(exc).__name__, exc))
     METRICS.compile_failures["background:" + type(exc).__name__] += 1
-    _PLANS[key] = StepPlan(program, Counter(str(e[0]) for e in program.entries))
+    ENGINE.plans[key] = StepPlan(program, Counter(str(e[0]) for e in program.entries))
 
 
 def _start_template(template, device: torch.device) -> None:
@@ -623,9 +613,9 @@ def _start_template(template, device: torch.device) -> None:
         METRICS.plans_compiled += 1
         template.guards = template.session.guards()
         template.fakes = None
-        for k, b in list(_PLANS.items()):
+        for k, b in list(ENGINE.plans.items()):
             if type(b) is Binding and b.template is template and not dynamic.guards_hold(template, b.sizes):
-                del _PLANS[k]
+                del ENGINE.plans[k]
 
     def failed(exc: BaseException) -> None:
         template.building = False
@@ -788,5 +778,3 @@ def _size_only_storages(trace: Trace, executed: list[int]) -> set[int]:
     return made
 
 
-set_executor(lambda t, reason: run_pending(t, reason))
-RECORDER.pruner = prune_pending

@@ -1,46 +1,16 @@
 """The whole-step choice: compiled steps or plain eager execution, whichever is faster, measured.
 
-A lazy step pays for recording every op (tens of µs each in Python) before anything runs; where the
-compiled clusters do not win that back (small models, host-bound steps; on the H200 every training
-workload of bench/workloads.py so far), running the ops at once in torch is faster. Once a step graph
-repeats (plans taken from the cache `WARM` times in a row: their clusters are loaded and their own
-measured choices made), windows of `WINDOW` steps are timed, `ROUNDS` per mode, taking turns:
-compiled, then plain eager, and again. For the eager windows the live lazy tensors are released
-(`frontend/release.py`: each becomes, in place, a plain tensor of its data), so that the ops run in
-torch without entering pydisc and cost what they cost without it; after the window they are made
-lazy again (`release.restore`). (In pass-through instead, every op that touches a lazy tensor still
-goes through the wrapper: BERT-base b32's eager steps timed 34.9 ms that way against 27.2 plain, and a
-compiled step between the two would have been kept.) Each window is timed as a whole, synchronised at
-its ends only, as a training loop runs: a step's recording overlaps the device's work on the step
-before. A window's timer starts after its first step, which is not timed: the switch of modes happens
-there (a compiled step is captured as a CUDA graph again after the eager window gave the graph's
-memory back, `exec/graphs.py`), which a training loop pays once, not every few steps. The fastest
-window of each mode counts. If eager was faster, the tensors stay plain for the rest of the process:
-warned once, in `metrics()["step_choice"]` and the report. Otherwise the compiled steps resume, and the
-time between their mark_steps is watched on the CPU (steps of the plans the windows ran): a median over
-`WATCH` steps `DRIFT` times slower or faster than the compiled windows were means the machine changed
-under the measurement (a load that slowed the eager windows has gone), and the windows are timed again
-(`_watch`). Not on a GPU: the host queues a step and returns while the device still runs the one before,
-so the time between mark_steps is not a step's time (the chain on the H200: 0.58 ms between
-mark_steps, 1.87 ms per step in the synchronised windows), and it moved 1.7x within one bench run of
-GPT-2 inference (syncs at the ends of blocks, captures) on a machine that did not change.
-Eager kept is not watched: with no recording, a loop that turns to other steps (sampling after
-training) cannot be told from a machine that changed.
-
-Before any of that, once per process (and again, up to `RECHECKS` times, when the steps turn to the
-other recording path: the fast recorder's steps, then op by op once sizes are dynamic), a step that
-could never win is caught without compiling: a
-compiled step takes at least as long as recording it (the device may overlap the step before, the
-host cannot skip its recording). After the second step that records ops, the live lazy tensors are
-released and the next step runs plainly in torch, timed from mark_step to mark_step. Where recording
-the step before (less the meta kernels of ops it had not seen before) took `RECORDING_BOUND` times as
-long, eager is kept at once; otherwise the tensors are made lazy again (`release.restore`) and steps
-record and compile as before. BERT-base at batch 32 on the H200 records a step in ~70 ms that eager
-runs in ~30: it compiled for 30 s, its eager steps slowed by the planning thread, before the windows
-said eager; with sequence lengths that vary, 200 steps took 40 s against 5.4 eagerly.
-
-`PYDISC_STEP_CHOICE`: `all` (default), `cuda`, `cpu` or `off`. Not in a
-torch.distributed process group (each rank would decide alone).
+Once a step graph repeats (plans from the cache `WARM` times in a row), windows of `WINDOW` steps are
+timed, `ROUNDS` per mode, taking turns: compiled, then plain eager (the live lazy tensors released to
+plain tensors in place, `frontend/release.py`, and made lazy again after). The fastest window of each
+mode counts; eager kept is for the rest of the process, warned once and reported. Kept compiled steps
+are watched on the CPU and timed again when their time drifts by `DRIFT`. Before that, once per process
+(and again, up to `RECHECKS` times, when the steps turn to the other recording path), the probe times
+one plain eager step against the recording of the step before: recording `RECORDING_BOUND` times as
+slow keeps eager at once, without compiling. Runs that reads forced between two mark_steps count with
+the mark's run as one step. `PYDISC_STEP_CHOICE`: `all` (default), `cuda`, `cpu` or `off`; not in a
+torch.distributed process group. The policy and what it measured: docs/gpu.md ("Whole steps are
+compared too").
 """
 from __future__ import annotations
 
@@ -51,9 +21,9 @@ import torch
 from ..config import CONFIG, applies
 from ..diagnostics import log, warn_once
 from ..exec import graphs
-from ..frontend.lazy_tensor import RECORDER
 from ..frontend.release import release_all, restore
 from ..metrics import METRICS
+from .engine import ENGINE, ChoiceState, ReadRuns
 
 __all__ = ["after_mark_step", "distributed", "holds_passthrough", "measuring", "note_read_run", "reset"]
 
@@ -67,63 +37,26 @@ DRIFT = 1.5     # ... and one this many times slower or faster than the compiled
 RECHECKS = 3    # at most this many times per process
 
 
-class _State:
-    def __init__(self) -> None:
-        self.phase = "idle"        # idle -> compiled <-> eager -> decided
-        self.streak = 0            # cached runs in a row
-        self.device: torch.device | None = None
-        self.started = 0.0         # when the timed part of the window started (synchronised)
-        self.steps = 0             # steps of that window so far, its untimed first step included
-        self.times: dict[str, list[float]] = {"compiled": [], "eager": []}   # seconds per step, per window
-        self.recorded_steps = 0    # steps that recorded ops, until the probe (at PROBE_AFTER)
-        self.probed: bool | None = None    # whether the probed step was fast-recorded (`fused`)
-        self.reprobes = 0          # probes again because the recording path changed, at most RECHECKS
-        # runs forced by reads since the last mark_step: [keys, all cached, device, recorded s, fused,
-        # whether ops passed through after one]
-        self.reads: list | None = None
-        self.through = False       # pass-through was on when the last mark_step ended
-        # the plain eager step being timed: [seconds the step before took to record, when the timed step
-        # began, device]
-        self.probe: list | None = None
-        self.released: list | None = None    # what the probe or an eager window released, to restore
-        self.kept: list = []       # ... and weak references to the lazy tensors it could not release
-        # compiled steps kept: their time per step in the windows; the last mark_step's host time, steps
-        # not to note, the noted times between mark_steps
-        self.kept_compiled: float | None = None
-        self.last_mark: float | None = None
-        self.skip = 0
-        self.intervals: list[float] = []
-        self.window_keys: set = set()      # the plans the compiled windows ran
-        self.rechecks = 0
-        self.again = ""            # why the windows are timed again, for the report
-
-
-_STATE = _State()
-
-
 def reset() -> None:
-    """Forget the measurement and leave pass-through (tests; `pydisc.step.clear_plans`)."""
-    global _STATE
-    _STATE = _State()
-    RECORDER.passthrough = False
-    RECORDER.released = False
+    """Forget the measurement and leave pass-through (a new lazy model after eager was kept; tests)."""
+    ENGINE.reset_choice()
 
 
 def _background_passthrough() -> bool:
     """Whether ops pass through because a plan is being built in the background (not for this module's
     own timed eager steps)."""
-    return RECORDER.passthrough and not holds_passthrough()
+    return ENGINE.passthrough and not holds_passthrough()
 
 
 def holds_passthrough() -> bool:
     """Whether pass-through is this module's: an eager window, the timed plain step, or eager kept."""
-    return measuring() or RECORDER.released
+    return measuring() or ENGINE.released
 
 
 def measuring() -> bool:
     """Whether plain eager steps are being timed (the probe, an eager window): their mark_step, with
     nothing recorded, must still reach `after_mark_step`."""
-    return _STATE.probe is not None or _STATE.phase == "eager"
+    return ENGINE.choice.probe is not None or ENGINE.choice.phase == "eager"
 
 
 _host_clock = time.perf_counter
@@ -141,20 +74,20 @@ def after_mark_step(key, cached: bool, device: torch.device | None, recorded: fl
     a plan not reusable), `cached` whether it came from the plan cache, `recorded` the seconds the
     step spent recording ops (less meta kernels; 0: it recorded none), `fused` whether the fast
     recorder recorded its forward."""
-    s = _STATE
+    s = ENGINE.choice
     through, s.through = s.through, _background_passthrough()
     if s.reads is not None:
         # runs that reads forced since the last mark_step count with its own: one step from mark_step
         # to mark_step (HF `generate()` runs a step per token at its read, then the loop's mark_step)
-        keys, all_cached, read_device, read_recorded, read_fused, read_through = s.reads
-        s.reads = None
+        r, s.reads = s.reads, None
+        keys, all_cached = r.keys, r.cached
         if key is not None or device is not None:
             keys.append(key)
             all_cached = all_cached and cached
         key = None if None in keys else tuple(keys)
-        cached, device = all_cached, device or read_device
-        recorded, fused = recorded + read_recorded, fused or read_fused
-        through = through or read_through
+        cached, device = all_cached, device or r.device
+        recorded, fused = recorded + r.recorded, fused or r.fused
+        through = through or r.through
     if through:
         # some ops of this step passed through (a plan was being built in the background): neither
         # its recording nor its time is the step's
@@ -187,7 +120,7 @@ def after_mark_step(key, cached: bool, device: torch.device | None, recorded: fl
                 _decide(s)
             elif _relazy(s):
                 s.phase = "compiled"
-                RECORDER.passthrough = False
+                ENGINE.set_passthrough(False)
         return
     if key is None or not cached or device is None or not applies(CONFIG.step_choice, device) or \
             distributed():
@@ -215,29 +148,30 @@ def after_mark_step(key, cached: bool, device: torch.device | None, recorded: fl
 def note_read_run(key, cached: bool, device: torch.device | None, recorded: float, fused: bool) -> None:
     """A read ran (part of) the pending step (arguments as for `after_mark_step`): noted for the next
     mark_step."""
-    s = _STATE
+    s = ENGINE.choice
     if s.phase == "decided" and s.kept_compiled is None:
         return
     if s.reads is None:
-        s.reads = [[], True, None, 0.0, False, False]
+        s.reads = ReadRuns()
     r = s.reads
-    r[0].append(key)
-    r[1] = r[1] and cached
-    r[2] = r[2] or device
-    r[3] += recorded
-    r[4] = r[4] or fused
-    r[5] = r[5] or _background_passthrough()     # the ops after this run pass through
+    r.keys.append(key)
+    r.cached = r.cached and cached
+    r.device = r.device or device
+    r.recorded += recorded
+    r.fused = r.fused or fused
+    r.through = r.through or _background_passthrough()     # the ops after this run pass through
 
 
-def _release(s: _State) -> None:
+def _release(s: ChoiceState) -> None:
     """Plain eager steps from here on, until `_relazy`: the lazy tensors are released (made plain in
     place), so that their ops run in torch without entering pydisc, and what they cost is eager's."""
     s.released, s.kept = [], []
     release_all(s.released, s.kept)
-    RECORDER.passthrough = RECORDER.released = True
+    ENGINE.set_passthrough(True)
+    ENGINE.set_released(True)
 
 
-def _relazy(s: _State) -> bool:
+def _relazy(s: ChoiceState) -> bool:
     """Recorded steps again: what `_release` released is made lazy again in place. False where some
     tensor could not be (something else holds it): eager is then kept, which is always correct."""
     released, s.released = s.released or [], None
@@ -248,24 +182,23 @@ def _relazy(s: _State) -> bool:
         # (they stay plain; the others are lazy again, and released anew)
         _keep_eager(s, "%d tensors released for timed eager steps could not be made lazy again" % failed, failed)
         return False
-    RECORDER.released = False
+    ENGINE.set_released(False)
     _record_again()
     return True
 
 
 def _record_again() -> None:
     """Steps record from the next one on, or pass through while a plan is built in the background."""
-    from . import background #(it imports this module)
-    RECORDER.passthrough = background.pending()
+    ENGINE.set_passthrough(bool(ENGINE.jobs))
 
 
-def _start_probe(s: _State, recorded: float, device: torch.device) -> None:
+def _start_probe(s: ChoiceState, recorded: float, device: torch.device) -> None:
     """The next step runs plainly in torch, timed."""
     _release(s)
     s.probe = [recorded, _now(device), device]
 
 
-def _end_probe(s: _State) -> None:
+def _end_probe(s: ChoiceState) -> None:
     recorded, started, device = s.probe
     eager = _now(device) - started
     s.probe = None
@@ -281,7 +214,7 @@ def _end_probe(s: _State) -> None:
     _relazy(s)
 
 
-def _window_done(s: _State, mode: str) -> bool:
+def _window_done(s: ChoiceState, mode: str) -> bool:
     """Count a step of `mode`; at the end of its window, its time per step (and the next window starts).
     The timer starts once the window's first step is done."""
     s.steps += 1
@@ -302,7 +235,7 @@ def distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def _decide(s: _State) -> None:
+def _decide(s: ChoiceState) -> None:
     # the fastest window of each mode: another process's load only ever slows a window down
     compiled, eager = min(s.times["compiled"]), min(s.times["eager"])
     keep_eager = eager < compiled
@@ -320,7 +253,7 @@ def _decide(s: _State) -> None:
         _record_again()
 
 
-def _watch(s: _State, key) -> None:
+def _watch(s: ChoiceState, key) -> None:
     """Compiled steps kept on the CPU: the host time from one `mark_step` to the next is noted (a CPU step
     has run when its mark_step returns) where both steps ran plans that the
     compiled windows ran (`key`: None for a step that planned; a loop that turns to other steps, say
@@ -356,7 +289,7 @@ def _watch(s: _State, key) -> None:
         s.window_keys = set()
 
 
-def _keep_eager(s: _State, why: str, plain_before: int = 0) -> None:
+def _keep_eager(s: ChoiceState, why: str, plain_before: int = 0) -> None:
     """Pass-through for the rest of the process, every lazy tensor that can be released made plain
     (`plain_before`: how many are plain already, besides what the probe or an eager window released).
 
@@ -367,11 +300,11 @@ def _keep_eager(s: _State, why: str, plain_before: int = 0) -> None:
     released_before, s.released = s.released, None
     walk = released_before is None or any(ref() is not None for ref in s.kept)
     s.kept = []
-    RECORDER.passthrough = True
+    ENGINE.set_passthrough(True)
     graphs.release_memory()
     released, kept = release_all() if walk else (0, 0)
     released += plain_before + len(released_before or ())
-    RECORDER.released = True
+    ENGINE.set_released(True)
     METRICS.step_choice += " (%d lazy tensors released to plain, %d kept lazy)" % (released, kept)
     warn_once("step-choice", "pydisc: %s; from now on every op runs in torch at once, nothing is compiled "
               "(PYDISC_STEP_CHOICE=off keeps compiling)" % why)

@@ -57,7 +57,7 @@ def note_collective(name: str, seconds: float) -> None:
 def run_collective(func, args, kwargs):
     """Run `func` as a cut: the pending step first, then the op on device data."""
     if RECORDER.trace.entries:
-        RECORDER.executor(None, "collective %s" % func)
+        RECORDER.run(None, "collective %s" % func)
     lazy_of: dict[int, LazyTensor] = {}
 
     def unwrap(a):
@@ -156,7 +156,7 @@ def _alias(target: torch.Tensor) -> LazyTensor | None:
             storage = alias._storage
             break
         if first < end and start < last:
-            RECORDER.executor(None, "overlapping deferred writes")
+            RECORDER.run(None, "overlapping deferred writes")
             return _alias(target)
     else:
         storage = LazyStorage(end - start, target.detach().reshape(-1))
@@ -185,7 +185,7 @@ def flush_deferred_writes() -> None:
     before a bucket's all-reduce; and the end of every backward pass that deferred a copy)."""
     d = _DEFERRAL
     if d.epoch == RECORDER.epoch and d.aliases and RECORDER.trace.entries:
-        RECORDER.executor(None, "deferred writes")
+        RECORDER.run(None, "deferred writes")
     d.aliases = {}
 
 

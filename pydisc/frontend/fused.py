@@ -16,6 +16,11 @@ from torch.utils import _pytree as pytree
 __all__ = ["FV", "XV", "Demote", "NoMeta", "FusedStep"]
 
 _autocast = torch._C._is_any_autocast_enabled
+_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+_set_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
+# What torch excludes from the dispatch inside a `__torch_dispatch__` that autograd needs
+_AUTOGRAD_KEYS = (torch._C.DispatchKey.ADInplaceOrView, torch._C.DispatchKey.AutogradFunctionality,
+                  torch._C.DispatchKey.AutogradOther)
 _functorch = torch._C._are_functorch_transforms_active
 _Tensor = torch.Tensor
 
@@ -161,7 +166,7 @@ class FusedStep:
             return [*[g.contiguous() for g in grads], *values]
         # replayed eagerly: autograd itself, as eager's backward (torch.func.vjp fails on a few programs
         # autograd runs: HF T5's attention under bf16 autocast on the CPU)
-        with torch.enable_grad():
+        with torch.enable_grad(), _autograd_dispatched():
             values = list(inputs)
             params = []
             for i in leaves:
@@ -171,3 +176,17 @@ class FusedStep:
             grads = torch.autograd.grad(env[self.loss], params, allow_unused=True)
         grads = [torch.zeros_like(p) if g is None else g.contiguous() for g, p in zip(grads, params)]
         return [*grads, *[env[f].detach() for f in self.outputs]]
+
+
+@contextlib.contextmanager
+def _autograd_dispatched():
+    """Autograd in the dispatch again where torch excluded it: a value read before mark_step runs the
+    pending step from inside the read op's `__torch_dispatch__`, and there no op records a graph."""
+    excluded = [k for k in _AUTOGRAD_KEYS if _excluded(k)]
+    for k in excluded:
+        _set_excluded(k, False)
+    try:
+        yield
+    finally:
+        for k in excluded:
+            _set_excluded(k, True)

@@ -11,7 +11,7 @@
 4. everything else is recorded, with output metadata from torch's meta kernels (cached per op and input
    layout), and falls back to eager when no meta kernel can say what the output looks like.
 
-Running the pending trace is the job of a higher layer, which installs itself with `set_executor`.
+Running the pending trace is the job of a higher layer, which installs itself with `install_driver`.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from .source import user_source
 from .symbolic import SymArg, SymbolicStep, hint
 from .trace import OUT_KINDS, VALUE_REFS, VALUE_SIGS, Entry, LazyStorage, Trace, ValueRef, grow_values, out_kind
 
-__all__ = ["StrictModeError", "LazyTensor", "is_lazy", "to_lazy", "materialize", "current_trace", "set_executor", "Recorder",
+__all__ = ["StrictModeError", "LazyTensor", "is_lazy", "to_lazy", "materialize", "current_trace", "install_driver", "Recorder",
            "LiftedScalar", "liftable", "RECORDER"]
 
 aten = torch.ops.aten
@@ -366,6 +366,12 @@ class Recorder:
         # frontend/fast.py, where installed: the device data of a fast value read before mark_step
         self.fast_read: Callable[[LazyTensor], torch.Tensor] | None = None
 
+    def run(self, t: LazyTensor | None, reason: str) -> None:
+        """Run the pending trace (all of it, or at least what `t` needs) through the driver's hook, for a
+        read or an eager op. Often called inside a `__torch_dispatch__`, where torch has excluded
+        autograd from the dispatch (`fused.FusedStep` turns it back on where it differentiates)."""
+        self.executor(t, reason)
+
     def new_trace(self) -> Trace:
         """A fresh pending trace. Within a step (after a read ran everything recorded so far) the
         step's symbolic state carries over; `end_step` ends it."""
@@ -613,7 +619,7 @@ class Recorder:
             for x in (a if isinstance(a, (list, tuple)) else (a,)):
                 if isinstance(x, LazyTensor) and x._storage.epoch == self.trace.epoch and self.trace.entries:
                     # pending ops may read this memory: run them before an eager op writes into it
-                    self.executor(None, "eager write")
+                    self.run(None, "eager write")
                     break
         real_args = tuple(unwrap(a) for a in args)
         real_kwargs = {k: unwrap(v) for k, v in kwargs.items()}
@@ -1054,10 +1060,14 @@ def current_trace() -> Trace:
     return RECORDER.trace
 
 
-def set_executor(fn: Callable[[LazyTensor | None, str], None]) -> None:
-    """Install the function that runs the pending trace: fn(None, reason) runs all of it,
-    fn(t, reason) at least what `t` needs."""
-    RECORDER.executor = fn
+def install_driver(run: Callable[[LazyTensor | None, str], None], prune: Callable[[], None],
+                   dims_of: Callable[[int, torch.Tensor], tuple]) -> None:
+    """The step driver's hooks, installed once by pydisc/driver: `run(None, reason)` runs the whole pending
+    trace, `run(t, reason)` at least what `t` needs; `prune()` drops the entries of a trace that is never
+    marked whose tensors have all died; `dims_of(ordinal, real)` says which dims of a step input are
+    recorded symbolically. (The driver also sets `carried_dims` while a carried input has dynamic dims,
+    and the step mode, `passthrough` and `released`, through its Engine.)"""
+    RECORDER.executor, RECORDER.pruner, RECORDER.dims_of = run, prune, dims_of
 
 
 def materialize(t: LazyTensor, *, reason: str = "read") -> torch.Tensor:
@@ -1075,5 +1085,5 @@ def materialize(t: LazyTensor, *, reason: str = "read") -> torch.Tensor:
                                   "after pydisc.mark_step() instead" % (reason, source))
         METRICS.materializations += 1
         METRICS.materialization_sources[source or "?"] += 1
-        RECORDER.executor(t, reason)
+        RECORDER.run(t, reason)
     return t._real

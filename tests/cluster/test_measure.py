@@ -9,6 +9,7 @@ import pydisc
 from pydisc.config import CONFIG
 from pydisc.exec import choices
 from pydisc.exec.clusters import CompiledCluster
+from pydisc.driver.engine import ENGINE
 from pydisc.driver.step import clear_plans
 
 
@@ -220,7 +221,6 @@ def test_whole_steps_run_eagerly_where_that_is_measured_faster(step_choice_cpu, 
 def test_pass_through_steps_train_bit_for_bit_as_eager(step_choice_cpu, foreach):
     # the eager side of the whole-step choice: every op runs in torch at once; results that do not alias a
     # lazy tensor are plain tensors (optimizer state created in such a step too), parameters stay lazy
-    from pydisc.frontend.lazy_tensor import RECORDER
 
     def train(lazy):
         torch.manual_seed(0)
@@ -243,7 +243,7 @@ def test_pass_through_steps_train_bit_for_bit_as_eager(step_choice_cpu, foreach)
         return model, opt, outs
 
     eager, _, _ = train(False)
-    RECORDER.passthrough = True       # clear_plans (the fixture) turns it off again
+    ENGINE.set_passthrough(True)       # clear_plans (the fixture) turns it off again
     lazy, opt, outs = train(True)
     assert pydisc.metrics()["recorded_ops"] == 0
     assert not any(pydisc.is_lazy(o) for o in outs)
@@ -256,7 +256,7 @@ def test_release_makes_lazy_tensors_plain_in_place(step_choice_cpu):
     # after eager is kept, every live lazy tensor becomes a plain tensor, the same Python object: modules,
     # optimizers (state keyed by parameter) and the user's references see it, gradients and attributes
     # stay on it, and training goes on as eager without entering pydisc
-    from pydisc.frontend.lazy_tensor import LazyTensor, RECORDER
+    from pydisc.frontend.lazy_tensor import LazyTensor
     from pydisc.frontend.release import release_all
 
     def train(lazy, steps, release_at=None):
@@ -277,9 +277,9 @@ def test_release_makes_lazy_tensors_plain_in_place(step_choice_cpu):
                 pydisc.mark_step()
             if k == release_at:
                 before = list(model.parameters())
-                RECORDER.passthrough = True
+                ENGINE.set_passthrough(True)
                 released, kept = release_all()
-                RECORDER.released = True
+                ENGINE.set_released(True)
                 assert released >= 2 * len(before) and [id(p) for p in model.parameters()] == list(map(id, before))
         return model, opt
 
@@ -308,7 +308,6 @@ def test_restore_makes_released_tensors_lazy_again_in_place(step_choice_cpu):
     # the probe's way back: released tensors (parameters, their gradients, the optimizer's state, a tied
     # weight) become lazy tensors again, the same objects with their current data, and training goes on
     # recorded and compiled, equal to eager
-    from pydisc.frontend.lazy_tensor import RECORDER
     from pydisc.frontend.release import release_all, restore
 
     def train(lazy, steps):
@@ -330,12 +329,12 @@ def test_restore_makes_released_tensors_lazy_again_in_place(step_choice_cpu):
             if lazy:
                 pydisc.mark_step()
                 if k == 1:      # steps 2 and 3 run plainly in torch
-                    RECORDER.passthrough = RECORDER.released = True
+                    ENGINE.set_passthrough(True); ENGINE.set_released(True)
                     release_all(released)
                     assert released and not any(pydisc.is_lazy(p) for p in model.parameters())
                 if k == 3:
                     assert restore(released) == 0
-                    RECORDER.passthrough = RECORDER.released = False
+                    ENGINE.set_passthrough(False); ENGINE.set_released(False)
         return model, opt
 
     eager, _ = train(False, 7)
@@ -373,7 +372,7 @@ def test_released_steps_pass_inputs_through_untouched(step_choice_cpu, monkeypat
     model(x, extra, scale=scale).sum().backward()
     assert pydisc.is_lazy(seen[-1][0])
     pydisc.mark_step()
-    RECORDER.passthrough = True
+    ENGINE.set_passthrough(True)
     release_all()
     monkeypatch.setattr(RECORDER, "released", True)
     model(x, extra, scale=scale).sum().backward()

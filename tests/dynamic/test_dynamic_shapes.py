@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import pydisc
-from pydisc.driver import dynamic
+from pydisc.driver.engine import ENGINE
 from pydisc.config import CONFIG
 from pydisc.driver.step import clear_plans
 
@@ -91,7 +91,7 @@ def _train(sizes, *, mark=False, device="cpu"):
 
 def _built():
     """Templates that were compiled (a template is compiled at its first match)."""
-    return sum(t.plan is not None for t in dynamic.DYNAMIC.templates)
+    return sum(t.plan is not None for t in ENGINE.dynamic.templates)
 
 
 def test_sequence_length_changes_every_step_one_compiled_plan():

@@ -550,3 +550,41 @@ def test_inputs_that_require_grad_get_eager_gradients(fast: bool) -> None:
             torch.testing.assert_close(q.grad, p.grad)
     for p, q in zip(model.parameters(), lazy_model.parameters()):
         torch.testing.assert_close(q.grad, p.grad)
+
+
+@pytest.mark.parametrize("compile_after", [1, 2], ids=["planned", "default"])
+@pytest.mark.parametrize("fast", [False, True], ids=["dispatch", "fast"])
+def test_values_read_between_backward_and_mark_step_are_eagers(fast: bool, compile_after: int,
+                                                               monkeypatch) -> None:
+    """Logging inside the step: the loss read after `backward()`, a gradient and a parameter after
+    `opt.step()`, all before `mark_step()`, as eager gives them, and training goes on as eager; with the
+    default PYDISC_COMPILE_AFTER too, where a new step graph first runs in torch (the tests' default
+    plans at once). A read runs the pending step from inside a `__torch_dispatch__`, where torch has
+    switched autograd off, and the fast recorder's forward is differentiated in that run: it raised
+    "element 0 of tensors does not require grad" on the first step of every such loop."""
+    from pydisc.config import CONFIG
+    from pydisc.driver.step import clear_plans
+
+    monkeypatch.setattr(CONFIG, "compile_after", compile_after)
+    clear_plans()       # no plan of an earlier test for this graph: its first run is the subject
+    torch.manual_seed(0)
+    model = tiny_mlp()
+    lazy = pydisc.lazy(copy.deepcopy(model), fast_record=fast)
+    opt, lazy_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, lazy))
+    for x, y in data(4):
+        seen = []
+        for m, o in ((model, opt), (lazy, lazy_opt)):
+            o.zero_grad()
+            loss = F.cross_entropy(m(x), y)
+            loss.backward()
+            got = [loss.item(), float(m[0].weight.grad.abs().sum())]
+            o.step()
+            got.append(m[0].bias.detach().clone().cpu())
+            if m is lazy:
+                pydisc.mark_step()
+            seen.append(got)
+        (loss, grad, bias), (lazy_loss, lazy_grad, lazy_bias) = seen
+        assert lazy_loss == pytest.approx(loss, rel=1e-5) and lazy_grad == pytest.approx(grad, rel=1e-5)
+        torch.testing.assert_close(lazy_bias, bias)
+    for p, q in zip(model.parameters(), lazy.parameters()):
+        torch.testing.assert_close(q.detach().cpu(), p.detach(), rtol=1e-5, atol=1e-6)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import pydisc
-import pydisc.driver.step as pstep
+from pydisc.driver.engine import ENGINE
 from pydisc.exec import compiler
 from pydisc.frontend import lazy_tensor
 from pydisc.frontend.lazy_tensor import RECORDER, LazyTensor
@@ -37,8 +37,8 @@ class Footprint:
     lazy_tensors: int           # live LazyTensor objects
     pending_entries: int        # recorded ops of the pending trace
     trace_tensors: int          # weak references the pending trace keeps
-    plans: int                  # pydisc.driver.step._PLANS
-    seen_ops: int               # pydisc.driver.step._SEEN_OPS (recompile explanations)
+    plans: int                  # ENGINE.plans
+    seen_ops: int               # ENGINE.seen_ops (recompile explanations)
     vmfb_cache: int             # compiled executables kept in memory
     module_cache: int           # loaded modules kept in memory
     meta_cache: int             # output metadata per (op, input layouts)
@@ -77,8 +77,8 @@ def footprint(step: int, device: torch.device | str = "cpu") -> Footprint:
         lazy_tensors=lazy,
         pending_entries=len(RECORDER.trace.entries),
         trace_tensors=len(RECORDER.trace.tensors),
-        plans=len(pstep._PLANS),
-        seen_ops=len(pstep._SEEN_OPS),
+        plans=len(ENGINE.plans),
+        seen_ops=len(ENGINE.seen_ops),
         vmfb_cache=len(compiler._VMFB_CACHE),
         module_cache=len(compiler._MODULE_CACHE),
         meta_cache=len(RECORDER.meta_cache),

@@ -20,6 +20,7 @@ import torch
 
 import pydisc
 import pydisc.driver.step as pstep
+from pydisc.driver.engine import ENGINE
 from pydisc.frontend.lazy_tensor import RECORDER
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -402,7 +403,7 @@ def test_chain_of_20000_ops_eager_fallback_path(monkeypatch):
     # the record -> functionalize -> replay path without IREE (PYDISC_DISABLE); without the plans of
     # other tests, which would serve the same chain compiled
     monkeypatch.setattr(pstep.CONFIG, "disable", True)
-    monkeypatch.setattr(pstep, "_PLANS", {})
+    monkeypatch.setattr(ENGINE, "plans", {})
     elapsed = _chain(20000)
     print("20000-op step (PYDISC_DISABLE): mark_step took %.1f s" % elapsed)
 

@@ -1,0 +1,146 @@
+"""The one owner of the step driver's per-process state: `ENGINE`.
+
+Everything the driver remembers between two `mark_step()`s lives here, so that one `reset()` forgets
+all of it (`pydisc.reset()`, tests) and a reader finds it in one place:
+
+- `plans`, `seen_ops`, `sightings`: the plan cache by a step's structural key (step.py);
+- `dynamic`: the dynamic-shape templates and flagged dims (dynamic.py);
+- `choice`: the whole-step choice's measurement (step_choice.py);
+- `jobs`, `saved_interval`: the plans being built in the background (background.py);
+- the step mode: whether the recorder passes ops through to torch (`set_passthrough`) and whether the
+  live lazy tensors were made plain (`set_released`); the recorder reads it, only the driver sets it.
+
+The modules keep their logic; their state is `ENGINE`'s attributes.
+"""
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from ..exec import graphs
+from ..frontend.lazy_tensor import RECORDER
+
+__all__ = ["ENGINE", "ChoiceState", "DynamicState", "Engine"]
+
+
+@dataclass
+class DynamicState:
+    """Dynamic shapes (dynamic.py). An input is a step input by its ordinal (an int), or ("carried", k):
+    the k-th input storage of the step, a lazy tensor an earlier step made (a KV cache)."""
+    flagged: dict = field(default_factory=dict)      # input -> dims
+    covered: set = field(default_factory=set)        # (input, rank, dims >= 2) with a template
+    templates: list = field(default_factory=list)
+    step_mode: dict = field(default_factory=dict)    # step id -> True (symbolic) / False (concrete)
+    force_symbolic: bool = False                     # no template matched: record the next step
+    misses: int = 0                                  # steps in a row that matched no template
+    blocked: set = field(default_factory=set)        # (input, dim) that guards pinned: static
+    last_mismatch: str = ""                          # why the last step matched no template
+
+
+class ChoiceState:
+    """The whole-step choice's measurement (step_choice.py)."""
+
+    def __init__(self) -> None:
+        self.phase = "idle"        # idle -> compiled <-> eager -> decided
+        self.streak = 0            # cached runs in a row
+        self.device: torch.device | None = None
+        self.started = 0.0         # when the timed part of the window started (synchronised)
+        self.steps = 0             # steps of that window so far, its untimed first step included
+        self.times: dict[str, list[float]] = {"compiled": [], "eager": []}   # seconds per step, per window
+        self.recorded_steps = 0    # steps that recorded ops, until the probe
+        self.probed: bool | None = None    # whether the probed step was fast-recorded (`fused`)
+        self.reprobes = 0          # probes again because the recording path changed
+        self.reads: ReadRuns | None = None   # runs forced by reads since the last mark_step
+        self.through = False       # pass-through was on when the last mark_step ended
+        # the plain eager step being timed: [seconds the step before took to record, when the timed step
+        # began, device]
+        self.probe: list | None = None
+        self.released: list | None = None    # what the probe or an eager window released, to restore
+        self.kept: list = []       # ... and weak references to the lazy tensors it could not release
+        # compiled steps kept: their time per step in the windows; the last mark_step's host time, steps
+        # not to note, the noted times between mark_steps
+        self.kept_compiled: float | None = None
+        self.last_mark: float | None = None
+        self.skip = 0
+        self.intervals: list[float] = []
+        self.window_keys: set = set()      # the plans the compiled windows ran
+        self.rechecks = 0
+        self.again = ""            # why the windows are timed again, for the report
+
+
+@dataclass
+class ReadRuns:
+    """The runs that reads forced between two mark_steps, counted with the mark's own run as one step."""
+    keys: list = field(default_factory=list)
+    cached: bool = True            # every one of them found its plan in the cache
+    device: torch.device | None = None
+    recorded: float = 0.0          # seconds spent recording them
+    fused: bool = False            # some were fast-recorded
+    through: bool = False          # ops passed through after one (a plan was being built)
+
+
+class Engine:
+    def __init__(self) -> None:
+        self.plans: dict[tuple, object] = {}     # structural key -> StepPlan, or a template's Binding
+        self.seen_ops: dict[tuple, tuple] = {}   # op sequence -> last key planned for it (recompile explainer)
+        self.sightings: Counter = Counter()      # structural key -> steps run eagerly before it is compiled
+        self.dynamic = DynamicState()
+        self.choice = ChoiceState()
+        self.jobs: list = []                     # background.py's jobs, oldest first
+        self.saved_interval: list[float] = []    # the process's switch interval while jobs run
+
+    # ---- the step mode the recorder reads ------------------------------------------------------
+    @staticmethod
+    def set_passthrough(on: bool) -> None:
+        """Every op runs at once in torch, nothing is recorded (eager kept or timed, a plan being built)."""
+        RECORDER.passthrough = on
+
+    @staticmethod
+    def set_released(on: bool) -> None:
+        """The live lazy tensors were made plain (frontend/release.py): step inputs stay plain too."""
+        RECORDER.released = on
+
+    @property
+    def passthrough(self) -> bool:
+        return RECORDER.passthrough
+
+    @property
+    def released(self) -> bool:
+        return RECORDER.released
+
+    def restore_interval(self) -> None:
+        if self.saved_interval:
+            sys.setswitchinterval(self.saved_interval.pop())
+
+    def reset(self) -> None:
+        """Forget every plan, template and measurement; wait for the plans being built and drop them;
+        leave pass-through. The compile caches (exec/) are not touched."""
+        for job in list(self.jobs):
+            job.thread.join()
+        self.jobs.clear()
+        self.restore_interval()
+        graphs.release_memory()
+        self.plans.clear()
+        self.seen_ops.clear()
+        self.sightings.clear()
+        self.reset_dynamic()
+        self.reset_choice()
+        RECORDER.capture_sources = True     # the next step plans: its ops' source lines are wanted
+
+    def reset_dynamic(self) -> None:
+        """Forget the templates and the dims flagged dynamic: the next steps are static until sizes vary."""
+        self.dynamic = DynamicState()
+        RECORDER.carried_dims = None
+        RECORDER.last_input_shapes = []
+
+    def reset_choice(self) -> None:
+        """Forget the whole-step choice's measurement and leave pass-through."""
+        self.choice = ChoiceState()
+        self.set_passthrough(False)
+        self.set_released(False)
+
+
+ENGINE = Engine()
