@@ -10,9 +10,11 @@ import atexit
 import gc
 
 from .diagnostics import PydiscWarning
+from .config import CONFIG
 from .driver import background, step_choice
 from .driver.dynamic import mark_dynamic
-from .config import CONFIG
+from .driver.step import clear_plans
+from .exec import clear_cache
 from .frontend import fast
 from .frontend.collectives import install_collectives
 from .frontend.lazy_tensor import RECORDER, LazyTensor, StrictModeError, is_lazy
@@ -38,8 +40,6 @@ install_optimizer_hook()
 @atexit.register
 def _release_compiled() -> None:
     # Free IREE modules and devices before the interpreter tears down the runtime bindings.
-    from .exec import clear_cache
-    from .driver.step import clear_plans
     clear_plans()
     clear_cache()
     gc.collect()
@@ -59,11 +59,9 @@ def mark_step() -> None:
 def wait_for_compiles() -> None:
     """Block until the step plans being built in the background (`PYDISC_BACKGROUND_COMPILE`, on CUDA
     by default) are ready; the next step then records and runs compiled. Returns at once if none are."""
-    from .driver.background import collect, join
-
-    join()      # without the recorder's lock: planning may take it
+    background.join()      # without the recorder's lock: planning may take it
     with RECORDER.lock:
-        collect()
+        background.collect()
 
 
 def to_lazy(t):

@@ -7,6 +7,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .diagnostics import warn_once
+from .driver import step_choice
 from .frontend import fast, inference
 from .frontend.lazy_tensor import RECORDER, LazyTensor, to_lazy
 from .frontend.symbolic import release_factory_mode
@@ -97,7 +98,6 @@ def lazy(module: torch.nn.Module, *, device: str | torch.device | None = None,
     if RECORDER.released:
         # The step choice kept eager for the models before (pydisc/driver/step_choice.py), and their tensors are
         # plain now: this model's steps are measured afresh rather than passed through for good.
-        from .driver import step_choice
         step_choice.reset()
     converted: dict[int, torch.Tensor] = {}   # tied weights stay tied
 

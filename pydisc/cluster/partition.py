@@ -29,6 +29,8 @@ from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 from ..frontend.decompositions import library_ops_in_torch
+from ..frontend.lowering.indexing import one_per_row
+from ..frontend.lowering.symbolic import size_of
 from .attention import ATTENTION_OPS
 
 __all__ = ["FX_PARTITIONER_MAX_NODES", "MAX_CLUSTER_NODES", "Partition", "add_torch_mlir_regions", "is_host_scalar",
@@ -95,8 +97,6 @@ SLOW_ON_GPU = SERIAL_SCATTERS | {aten.max_pool2d_with_indices.default, aten.cat.
 
 def _parallel_scatter(node: torch.fx.Node) -> bool:
     """Whether the lowering emits this scatter as a one-hot select (`lowering.indexing.one_per_row`)."""
-    from ..frontend.lowering.indexing import one_per_row
-    from ..frontend.lowering.symbolic import size_of
 
     if node.target not in (aten.scatter.src, aten.scatter.value, aten.scatter_add.default):
         return False

@@ -24,7 +24,9 @@ import torch
 
 from ..config import CONFIG
 from ..frontend.fast import set_gate as set_fast_gate
-from ..frontend.lazy_tensor import RECORDER, _opinfo
+from ..frontend.lazy_tensor import RECORDER
+from ..frontend.tensor import LazyTensor
+from ..frontend.op_facts import opinfo
 from ..frontend.replay import Program
 from ..frontend.symbolic import SymExpr
 from ..frontend.trace import RealRef, ScalarRef, Trace, ValueRef
@@ -36,8 +38,6 @@ __all__ = ["mark_dynamic", "Template", "Binding", "match_template", "clear"]
 def mark_dynamic(t: torch.Tensor, dim: int | list[int] | tuple[int, ...]) -> torch.Tensor:
     """Declare dim(s) `dim` of the step input `t` dynamic: the first compile already serves every
     size of it. Call it on the eager tensor before it enters the model (or `pydisc.to_lazy`)."""
-    from ..frontend.lazy_tensor import LazyTensor
-
     if isinstance(t, LazyTensor):
         raise TypeError("pydisc.mark_dynamic: call it on the eager input tensor before it is passed to the "
                         "lazy model or to pydisc.to_lazy (this tensor is already lazy)")
@@ -174,7 +174,7 @@ def make_template(trace: Trace, program: Program, plan) -> Template:
     for fn, args, kwargs, out_vids, kind in program.entries:
         if isinstance(fn, torch._ops.OpOverload) and not _refs((args, kwargs), RealRef) and \
                 not _refs((args, kwargs), ScalarRef):
-            info = _opinfo(fn)
+            info = opinfo(fn)
             deferrable.append(None if info.written_args else "view" if info.is_view else "pure")
         else:
             deferrable.append(None)

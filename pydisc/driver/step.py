@@ -19,7 +19,9 @@ from ..diagnostics import explain_recompile, log, warn_once
 from ..exec import graphs
 from ..exec.errors import DeviceOutOfMemoryError, is_out_of_memory
 from ..frontend import fast
-from ..frontend.lazy_tensor import (PRUNE_FIRST_AT, RECORDER, LazyTensor, _flat_base, _layout, _view_of_base, materialize)
+from ..frontend.layout import flat_base, view_of_base
+from ..frontend.lazy_tensor import PRUNE_FIRST_AT, RECORDER, LazyTensor, materialize
+from ..frontend.tensor import concrete_layout
 from ..frontend.replay import NotDynamic, Program, concrete_program, program_from_trace, symbolic_program
 from ..frontend.trace import LazyStorage, Trace
 from ..metrics import METRICS
@@ -692,7 +694,7 @@ def _bind(trace: Trace, outputs: tuple, results: list[torch.Tensor], executed: l
         else:
             storage = trace.storages[index]
             size, stride, offset, dtype = trace.metas[index]
-            storage.real = _flat_base(_as_layout(val, size, stride))
+            storage.real = flat_base(_as_layout(val, size, stride))
         touched.append(storage)
     if not remaining:
         # everything ran: every tensor made in this trace views its storage's new data (the storages
@@ -704,7 +706,7 @@ def _bind(trace: Trace, outputs: tuple, results: list[torch.Tensor], executed: l
             if t is None:
                 continue
             if (values[vid][0] == "out" or t._real is None) and t._storage.real is not None:
-                t._real = _view_of_base(t._storage.real, *_layout(t))
+                t._real = view_of_base(t._storage.real, *concrete_layout(t))
             if t._concrete is not None and trace.symbolic is not None and t._real is not None:
                 symbolic.append(t)
         trace.release()
@@ -722,7 +724,7 @@ def _bind(trace: Trace, outputs: tuple, results: list[torch.Tensor], executed: l
             continue
         if vid in executed_vids or t._real is None:
             if t._storage.real is not None:
-                t._real = _view_of_base(t._storage.real, *_layout(t))
+                t._real = view_of_base(t._storage.real, *concrete_layout(t))
     # Keep the rest pending: values made by the executed entries become inputs of what remains.
     size_only = _size_only_storages(trace, executed) if trace.symbolic is not None else set()
     for vid in executed_vids:

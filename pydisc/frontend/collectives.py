@@ -28,7 +28,8 @@ import time
 import torch
 
 from ..metrics import METRICS
-from .lazy_tensor import RECORDER, LazyStorage, LazyTensor, _opinfo, to_lazy
+from .lazy_tensor import RECORDER, LazyStorage, LazyTensor, to_lazy
+from .op_facts import REWRITES, opinfo
 
 __all__ = ["COLLECTIVE_NAMESPACES", "install_collectives", "run_collective", "defer_next_copy",
            "flush_deferred_writes", "note_collective"]
@@ -174,7 +175,7 @@ def _copy_rewrite(previous):
             alias = _alias(args[0]) if torch._C._current_graph_task_id() != -1 else None
             if alias is not None:
                 del sources[id(args[1])]
-                RECORDER.record(func, (alias, args[1]), kwargs, _opinfo(func))
+                RECORDER.record(func, (alias, args[1]), kwargs, opinfo(func))
                 return args[0]
         return previous(func, args, kwargs) if previous is not None else NotImplemented
     return rewrite
@@ -202,5 +203,5 @@ def install_collectives() -> None:
     """Route every op of the collective namespaces to `run_collective` (by namespace: some of them are
     registered only when their Python module is imported), and install the deferred copy."""
     for namespace in COLLECTIVE_NAMESPACES:
-        RECORDER.namespace_rewrites[namespace] = _namespace_rewrite
-    RECORDER.rewrites[aten.copy_.default] = _copy_rewrite(RECORDER.rewrites.get(aten.copy_.default))
+        REWRITES[namespace] = _namespace_rewrite
+    REWRITES[aten.copy_.default] = _copy_rewrite(REWRITES.get(aten.copy_.default))

@@ -20,7 +20,9 @@ from typing import Any
 
 import torch
 
-from .lazy_tensor import RECORDER, LazyTensor, LiftedScalar, _opinfo, _symbolic_args, liftable
+from .lazy_tensor import RECORDER, LazyTensor, LiftedScalar, liftable
+from .meta_keys import symbolic_args
+from .op_facts import opinfo
 
 __all__ = ["SplitForeach", "record_foreach", "optimizers_take_their_foreach_path"]
 
@@ -200,7 +202,7 @@ def _whole(func, args, kwargs):
             return NotImplemented
     if any(isinstance(v, torch.Tensor) for v in kwargs.values()):
         return NotImplemented
-    if RECORDER.symbolic is not None and _symbolic_args(args, kwargs):
+    if RECORDER.symbolic is not None and symbolic_args(args, kwargs):
         return NotImplemented
     base = _element_name(func).rstrip("_")
     enc_args, enc_kwargs = list(args), dict(kwargs)
@@ -209,7 +211,7 @@ def _whole(func, args, kwargs):
         if lifted is None:
             return NotImplemented
         enc_args, enc_kwargs = lifted
-    info = _opinfo(func)
+    info = opinfo(func)
     try:
         # the op's own meta kernel, on the floats themselves (a ScalarList takes no tensors)
         recipe = RECORDER.recipe(func, enc_args, enc_kwargs, info, args, kwargs)

@@ -25,8 +25,13 @@ import torch
 
 from .. import metrics as _metrics
 from ..config import CONFIG
+from .layout import flat_base
+from .meta_keys import KWARGS, Recipe, constant_part, key_part, symbolic_args
+from .op_facts import OPINFOS, READ_OPS, OpInfo, arg, opinfo
 from .source import user_source
 from .symbolic import SymArg, SymbolicStep, hint
+from .symbolic_inputs import SymbolicInputs
+from .tensor import LazyTensor, LiftedScalar, StrictModeError, _make_wrapper, bind, concrete_layout, is_lazy, liftable
 from .trace import OUT_KINDS, VALUE_REFS, VALUE_SIGS, Entry, LazyStorage, Trace, ValueRef, grow_values, out_kind
 
 __all__ = ["StrictModeError", "LazyTensor", "is_lazy", "to_lazy", "materialize", "current_trace", "install_driver", "Recorder",
@@ -34,178 +39,9 @@ __all__ = ["StrictModeError", "LazyTensor", "is_lazy", "to_lazy", "materialize",
 
 aten = torch.ops.aten
 METRICS = _metrics.METRICS
-
-
-class StrictModeError(RuntimeError):
-    """PYDISC_STRICT=1 and a step fell back to eager or read a value before mark_step."""
-
-
-class LiftedScalar:
-    """A Python number that becomes a scalar input of the step instead of a compile-time constant."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: float) -> None:
-        self.value = value
-
-
-_LIFTABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def liftable(t, value) -> bool:
-    """Can the Python float `value`, an operand of an arithmetic op on `t`, become a `LiftedScalar`?"""
-    # a 0-d half tensor times a 0-d float32 tensor would promote to float32, unlike times a Python float
-    return isinstance(t, LazyTensor) and type(value) is float and \
-        (t.dtype is torch.float32 or (t.dtype in _LIFTABLE_DTYPES and t.dim() > 0))
-
-
-def _flat_base(t: torch.Tensor) -> torch.Tensor:
-    """A 1-D tensor over the whole storage of `t` (offset 0), the form in which storages are kept."""
-    if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size():
-        return t.detach().reshape(-1)
-    n = t.untyped_storage().nbytes() // t.element_size()
-    return t.detach().as_strided((n,), (1,), 0)
-
-
-def _view_of_base(base: torch.Tensor, size, stride, offset) -> torch.Tensor:
-    if offset == 0 and base.numel() == _numel(size) and tuple(stride) == _contiguous_strides(size):
-        return base.view(size)
-    return base.as_strided(size, stride, offset)
-
-
-def _numel(size) -> int:
-    n = 1
-    for s in size:
-        n *= s
-    return n
-
-
-def _contiguous_strides(size) -> tuple[int, ...]:
-    strides = []
-    acc = 1
-    for s in reversed(size):
-        strides.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(strides))
-
-
-_make_wrapper = torch.Tensor._make_wrapper_subclass
-
-
-class LayoutKey:
-    """One per distinct (size, stride, offset, dtype, storage bytes, device): a lazy tensor's part of
-    the meta-cache key. It hashes and compares by identity, which is cheaper than the tuple, and it is
-    made once per tensor (recorded outputs take it from their op's `Recipe`). Not an int, so that a
-    tensor and an int constant in the same argument position never look alike."""
-
-    __slots__ = ("layout",)
-
-    def __init__(self, layout: tuple) -> None:
-        self.layout = layout
-
-    def __repr__(self) -> str:
-        return "LayoutKey%r" % (self.layout,)
-
-
-_LAYOUT_KEYS: dict[tuple, LayoutKey] = {}
-
-
-def _layout_key(size: tuple, stride: tuple, offset: int, dtype: torch.dtype, nbytes: int, device) -> LayoutKey:
-    layout = (size, stride, offset, dtype, nbytes, device)
-    key = _LAYOUT_KEYS.get(layout)
-    if key is None:
-        key = _LAYOUT_KEYS[layout] = LayoutKey(layout)
-    return key
-
-
-class LazyTensor(torch.Tensor):
-    """A tensor whose value is either device data (`_real`) or a value of the pending trace."""
-
-    _storage: LazyStorage
-    _mk: LayoutKey          # this step's concrete layout, as a meta-cache key part
-    # Defaults, set on the instance only where they differ (recorded outputs set the fewest attributes).
-    _real: torch.Tensor | None = None
-    _vid: int = -1
-    _epoch: int = -1
-    _fake = None            # fake tensor of a symbolic step (`frontend/symbolic.py`)
-    _fake_sid: int = 0      # ... and which step it belongs to
-    _concrete: tuple | None = None   # this step's concrete (size, stride, offset) when sizes are symbolic
-    # A fast value (frontend/fast.py): its id in the open segment, and the segment; or, once that
-    # segment was demoted, the ATen-level tensor it stands for.
-    _fid: int | None = None
-    _fseg = None
-    _redirect = None
-
-    @staticmethod
-    def __new__(cls, size, stride, offset, dtype, device, storage: LazyStorage, real=None, requires_grad=False):
-        t = _make_wrapper(cls, size, strides=stride, storage_offset=offset, dtype=dtype, device=device,
-                          requires_grad=requires_grad)
-        t._storage = storage
-        if real is not None:
-            t._real = real
-        if RECORDER.symbolic is not None and (  # only a symbolic step makes symbolic sizes
-                any(type(x) is not int for x in size) or any(type(x) is not int for x in stride)
-                or type(offset) is not int or type(storage.nbytes) is not int):
-            # sizes of a symbolic step: keep this step's concrete layout for everything concrete
-            t._concrete = concrete = (tuple(map(hint, size)), tuple(map(hint, stride)), hint(offset))
-            t._mk = _layout_key(*concrete, dtype, hint(storage.nbytes), t.device)
-        else:
-            nbytes = storage.nbytes       # symbolic in a storage made by an earlier symbolic step
-            t._mk = _layout_key(tuple(size), tuple(stride), offset, dtype,
-                               nbytes if type(nbytes) is int else hint(nbytes), t.device)
-        return t
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return RECORDER.dispatch(func, args, kwargs or {})
-
-    # Reading a value runs what it needs. These bypass the dispatcher, so they are overridden here.
-    def __repr__(self, *, tensor_contents=None) -> str:
-        return repr(materialize(self, reason="repr"))
-
-    def __format__(self, spec: str) -> str:
-        return format(materialize(self, reason="format"), spec)
-
-    def data_ptr(self) -> int:
-        return materialize(self, reason="data_ptr").data_ptr()
-
-    def untyped_storage(self) -> torch.UntypedStorage:
-        # the wrapper's own storage has no data (torch: "data is not allocated yet"): the device data's
-        return materialize(self, reason="untyped_storage").untyped_storage()
-
-    def tolist(self):
-        return materialize(self, reason="tolist").tolist()
-
-    def numpy(self, *, force: bool = False):
-        return materialize(self, reason="numpy").detach().cpu().numpy(force=force)
-
-    def cpu(self, memory_format=torch.preserve_format):
-        return materialize(self, reason="cpu").cpu(memory_format=memory_format).clone() \
-            if self.device.type == "cpu" else materialize(self, reason="cpu").cpu(memory_format=memory_format)
-
-    def __array__(self, dtype=None):
-        arr = self.numpy()
-        return arr if dtype is None else arr.astype(dtype)
-
-    def __reduce_ex__(self, proto):
-        # torch.save / pickle / deepcopy store the device data as a plain tensor.
-        real = materialize(self, reason="pickle").detach()
-        if isinstance(self, torch.nn.Parameter):
-            return (torch.nn.Parameter, (real.clone(), self.requires_grad))
-        return real.clone().__reduce_ex__(proto)
-
-    def __deepcopy__(self, memo):
-        real = materialize(self, reason="deepcopy").detach().clone()
-        out = to_lazy(real)
-        if isinstance(self, torch.nn.Parameter):
-            out = torch.nn.Parameter(out, requires_grad=self.requires_grad)
-        memo[id(self)] = out
-        return out
-
-
-def is_lazy(t: Any) -> bool:
-    """True if `t` is a pydisc lazy tensor."""
-    return isinstance(t, LazyTensor)
+ABANDONED = ("pydisc: this lazy tensor has no data: the step that computes it was abandoned after an error. "
+             "Recompute it (run the forward pass again) before using it.")
+PRUNE_FIRST_AT = 10_000   # entries of a never-marked trace before the dead ones are first dropped
 
 
 def to_lazy(real: torch.Tensor, *, step_input: bool = False) -> LazyTensor:
@@ -216,7 +52,7 @@ def to_lazy(real: torch.Tensor, *, step_input: bool = False) -> LazyTensor:
     recorded with symbolic sizes."""
     if isinstance(real, LazyTensor):
         return real
-    storage = LazyStorage(real.untyped_storage().nbytes(), _flat_base(real))
+    storage = LazyStorage(real.untyped_storage().nbytes(), flat_base(real))
     # an input that requires grad is a leaf of the step's graph; mark_step hands its gradient on to
     # `real` (`Recorder.grad_inputs`)
     grad = step_input and real.requires_grad and torch.is_grad_enabled()
@@ -232,94 +68,9 @@ def to_lazy(real: torch.Tensor, *, step_input: bool = False) -> LazyTensor:
     return t
 
 
-def _layout(t: LazyTensor) -> tuple:
-    """(size, stride, offset) of `t` in this step's concrete numbers."""
-    c = t._concrete
-    return c if c is not None else (tuple(t.shape), t.stride(), t.storage_offset())
-
-
-# --------------------------------------------------------------------------------------------------
-# Schema facts per op, computed once.
-
-class OpInfo:
-    __slots__ = ("name", "returns", "written_args", "needs_eager", "is_view", "rewrite", "unruled")
-
-    def __init__(self, func) -> None:
-        # OpOverload hashes in Python: everything per op is looked up once by id() and kept here.
-        self.name = str(func)
-        self.rewrite = RECORDER.rewrites.get(func)
-        if self.rewrite is None and RECORDER.foreach_rewrite is not None and func.__name__.startswith("_foreach_"):
-            self.rewrite = RECORDER.foreach_rewrite
-        if self.rewrite is None:   # whole namespaces: torch.distributed's (frontend/collectives.py)
-            self.rewrite = RECORDER.namespace_rewrites.get(func.namespace)
-        schema = func._schema
-        sets: dict[str, tuple[int, str]] = {}
-        written = []
-        for i, a in enumerate(schema.arguments):
-            if a.alias_info is not None:
-                for s in a.alias_info.before_set:
-                    sets[s] = (i, a.name)
-                if a.alias_info.is_write:
-                    written.append((i, a.name))
-        returns = []
-        for r in schema.returns:
-            ai = r.alias_info
-            if ai is not None and ai.before_set:
-                i, name = sets[next(iter(ai.before_set))]
-                returns.append(("write" if ai.is_write else "view", i, name))
-            elif ai is not None and func.is_view:
-                # `Tensor(a)[]` (split, unbind, chunk): the alias set sits on the list's elements, and
-                # every element views the aliased argument
-                i, name = next((i, a.name) for i, a in enumerate(schema.arguments) if a.alias_info is not None)
-                returns.append(("view", i, name))
-            else:
-                returns.append(None)
-        self.returns = returns
-        self.written_args = tuple(written)
-        self.is_view = any(r is not None and r[0] == "view" for r in returns)
-        self.needs_eager = func in _EAGER_OPS or (not schema.returns and not written) \
-            or any(str(r.type) not in _TENSOR_RETURN_TYPES for r in schema.returns)
-        # neither a StableHLO rule nor a decomposition: a likely fallback, whose source line the ledger
-        # wants even in steps recorded without source lines
-        from .decompositions import DECOMPOSITIONS
-        from .lowering.registry import LOWERINGS
-        functional = func
-        if schema.is_mutable and func._opname.endswith("_"):   # add_ is recorded, add is lowered
-            packet = getattr(torch.ops.aten, func._opname[:-1], None)
-            functional = getattr(packet, func._overloadname, func) if packet is not None else func
-        # (composite ops, such as `linear` recorded whole in steps without grad, are split by torch)
-        self.unruled = functional not in LOWERINGS and functional not in DECOMPOSITIONS and \
-            not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
-
-
-_TENSOR_RETURN_TYPES = {"Tensor", "List[Tensor]", "Tensor[]", "Optional[Tensor]", "Tensor?"}
-# Ops that read data on the host, move data between devices, or change a tensor's metadata in place.
-_EAGER_OPS = {
-    aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default, aten.allclose.default,
-    aten.nonzero.default, aten._unique2.default, aten.masked_select.default,
-    aten.view.dtype, aten.set_.source_Storage_storage_offset, aten.set_.source_Tensor,
-    aten.resize_.default, aten.as_strided_.default, aten._has_compatible_shallow_copy_type.default,
-}
-ABANDONED = ("pydisc: this lazy tensor has no data: the step that computes it was abandoned after an error. "
-             "Recompute it (run the forward pass again) before using it.")
-PRUNE_FIRST_AT = 10_000   # entries of a never-marked trace before the dead ones are first dropped
-_OPINFO: dict[int, OpInfo] = {}    # id(OpOverload) -> facts; overloads live as long as the process
-
-
-def _opinfo(func) -> OpInfo:
-    info = _OPINFO.get(id(func))
-    if info is None:
-        info = _OPINFO[id(func)] = OpInfo(func)
-    return info
-
-
-def _arg(args, kwargs, index: int, name: str):
-    return args[index] if index < len(args) else kwargs.get(name)
-
-
 # --------------------------------------------------------------------------------------------------
 
-class Recorder:
+class Recorder(SymbolicInputs):
     """Owns the pending trace and records ops into it."""
 
     def __init__(self) -> None:
@@ -328,9 +79,6 @@ class Recorder:
         self.trace = Trace(epoch=0)
         self.meta_cache: dict[Any, Any] = {}
         self.executor: Callable[[LazyTensor | None, str], None] | None = None
-        self.rewrites: dict[Any, Callable] = {}
-        self.foreach_rewrite: Callable | None = None
-        self.namespace_rewrites: dict[str, Callable] = {}   # op namespace -> rewrite of all its ops
         # Source lines cost 1-3 µs per op: captured for every op until a step reuses a plan, again
         # after a new plan; always for ops with no StableHLO rule (OpInfo.unruled), the likely fallbacks.
         self.capture_sources = True
@@ -394,98 +142,9 @@ class Recorder:
         self.last_input_shapes, self.input_shapes = self.input_shapes, []
         self.step_id += 1
 
-    # ---- symbolic steps --------------------------------------------------------------------------
-    def symbolic_input(self, real: torch.Tensor, storage: LazyStorage, requires_grad: bool) -> LazyTensor | None:
-        ordinal = self.inputs_seen
-        self.inputs_seen += 1
-        storage.ordinal = ordinal
-        self.input_shapes.append(tuple(real.shape))
-        if self.dims_of is None:
-            return None
-        dims = self.dims_of(ordinal, real)
-        if not dims or real.storage_offset() != 0 or not real.is_contiguous() or \
-                real.untyped_storage().nbytes() != real.numel() * real.element_size():
-            return None
-        session = self.symbolic_session()
-        size, stride, made = session.symbolic_layout(real, dims, ("conv", ordinal))
-        if not made:
-            return None
-        session.conversions[ordinal] = (storage, made, real.dim())
-        storage.nbytes = _numel(size) * real.element_size()
-        t = LazyTensor(size, stride, 0, real.dtype, real.device, storage, real=real.detach(),
-                       requires_grad=requires_grad)
-        t._fake = session.fake_symbolic(size, stride, real.dtype, real.device)
-        t._fake_sid = session.id
-        return t
-
-    def symbolic_session(self) -> SymbolicStep:
-        """This step's SymbolicStep, started at its first symbolic input."""
-        if self.symbolic is None:
-            self.symbolic = SymbolicStep(self.record_factory)
-            self.symbolic.enter()
-            self.trace.symbolic = self.symbolic
-        return self.symbolic
-
-    def carried_input(self, t: LazyTensor, storage: LazyStorage) -> None:
-        """`t`, the first tensor of this step to read `storage` (a previous step's result), gets symbolic
-        sizes in the dims `carried_dims` names: its fake and concrete layout, not its Python sizes, which
-        stay those of this step (code that reads a KV cache's length gets a number)."""
-        real = t._real
-        index = storage.input_index
-        if real is None or real.storage_offset() != 0 or not real.is_contiguous() or \
-                real.untyped_storage().nbytes() != real.numel() * real.element_size():
-            return
-        dims = self.carried_dims(index, real)
-        if not dims:
-            return
-        session = self.symbolic_session()
-        size, stride, made = session.symbolic_layout(real, dims, ("carried", index))
-        if not made:
-            return
-        session.conversions[("carried", index)] = (storage, made, real.dim())
-        t._fake = session.fake_symbolic(size, stride, real.dtype, real.device)
-        t._fake_sid = session.id
-        t._concrete = (tuple(real.shape), real.stride(), 0)
-
-    def note_carried(self, args) -> None:
-        """Before an op is recorded: its lazy arguments not read yet in this step get their input
-        storage now, and with it any dynamic dims (`carried_input`), so that the op sees them."""
-        epoch = self.trace.epoch
-        for a in args:
-            if type(a) is LazyTensor:
-                if a._epoch != epoch and a._real is not None:
-                    self.ref(a)
-            elif type(a) is list or type(a) is tuple:
-                self.note_carried(a)
-
-    def fake_of(self, a):
-        """The fake tensor standing for argument `a` in this symbolic step."""
-        session = self.symbolic
-        if isinstance(a, LazyTensor):
-            if a._fake is None or a._fake_sid != session.id:
-                size, stride, offset = _layout(a)
-                a._fake = session.fake_static(size, stride, offset, a.dtype, a.device, hint(a._storage.nbytes))
-                a._fake_sid = session.id
-            return a._fake
-        if isinstance(a, LiftedScalar):
-            with session.faking():
-                return torch.empty((), dtype=torch.float32)
-        if isinstance(a, torch.Tensor):
-            fake = session.real_fakes.get(id(a))
-            if fake is None:
-                # eager tensors keep static sizes: C++ compares them with lazy sizes before any
-                # dispatch, which would pin a symbolic size anyway (pass them through to_lazy)
-                fake = session.fake_static(tuple(a.shape), a.stride(), a.storage_offset(), a.dtype,
-                                           a.device, a.untyped_storage().nbytes())
-                session.real_fakes[id(a)] = fake
-            return fake
-        if isinstance(a, (list, tuple)):
-            return type(a)(self.fake_of(x) for x in a)
-        return a
-
     def record_factory(self, func, args, kwargs):
         with self.lock:
-            return self.record(func, args, kwargs, _opinfo(func))
+            return self.record(func, args, kwargs, opinfo(func))
 
     # ---- value references ------------------------------------------------------------------------
     def ref(self, t: LazyTensor) -> ValueRef:
@@ -550,9 +209,9 @@ class Recorder:
         # One lock serialises recording: autograd runs backward on its own thread per CUDA device, so
         # several threads legitimately record into one step; the lock keeps the trace consistent.
         with self.lock:
-            info = _OPINFO.get(id(func))
+            info = OPINFOS.get(id(func))
             if info is None:
-                info = _opinfo(func)
+                info = opinfo(func)
             if self.passthrough and not self.trace.entries:
                 return self.run_eager(func, args, kwargs, info, fallback=False, count=False)
             if not self.trace.entries:
@@ -572,13 +231,13 @@ class Recorder:
                 if result is not NotImplemented:
                     return result
             if info.needs_eager:
-                return self.run_eager(func, args, kwargs, info, fallback=func not in _READ_OPS)
+                return self.run_eager(func, args, kwargs, info, fallback=func not in READ_OPS)
             if info.written_args and self.writes_eager_tensor(args, kwargs, info):
                 return self.run_eager(func, args, kwargs, info, fallback=False)
             if self.carried_dims is not None and info.is_view:
                 self.note_carried(args)     # a view of a dynamic input is recorded, with its sizes
             if info.is_view and not info.written_args and self.all_clean(args) and \
-                    (self.symbolic is None or not _symbolic_args(args, kwargs)):
+                    (self.symbolic is None or not symbolic_args(args, kwargs)):
                 return self.run_eager(func, args, kwargs, info, fallback=False, count=False)
             return self.record(func, args, kwargs, info)
 
@@ -590,7 +249,7 @@ class Recorder:
 
     def writes_eager_tensor(self, args, kwargs, info: OpInfo) -> bool:
         for i, name in info.written_args:
-            a = _arg(args, kwargs, i, name)
+            a = arg(args, kwargs, i, name)
             items = a if isinstance(a, (list, tuple)) else (a,)
             for x in items:
                 if isinstance(x, torch.Tensor) and not isinstance(x, LazyTensor):
@@ -615,7 +274,7 @@ class Recorder:
                                       "at %s" % (func, source))
             METRICS.note_fallback(str(func), 1, {a.dtype for a in args if isinstance(a, torch.Tensor)}, source)
         for i, name in info.written_args:
-            a = _arg(args, kwargs, i, name)
+            a = arg(args, kwargs, i, name)
             for x in (a if isinstance(a, (list, tuple)) else (a,)):
                 if isinstance(x, LazyTensor) and x._storage.epoch == self.trace.epoch and self.trace.entries:
                     # pending ops may read this memory: run them before an eager op writes into it
@@ -631,7 +290,7 @@ class Recorder:
             if not isinstance(o, torch.Tensor) or isinstance(o, LazyTensor):
                 return o
             if plan is not None:
-                src = _arg(args, kwargs, plan[1], plan[2])
+                src = arg(args, kwargs, plan[1], plan[2])
                 if plan[0] == "write" and isinstance(src, LazyTensor):
                     return src
                 if isinstance(src, LazyTensor) and o.dtype == src.dtype and o.untyped_storage().data_ptr() == \
@@ -703,7 +362,7 @@ class Recorder:
             r = self.trace.add_real_input(a)
             sig.append(("r", r.index))
             return r
-        sig.append(_constant_part(a))
+        sig.append(constant_part(a))
         return a
 
     def meta_key(self, func, args, kwargs) -> tuple:
@@ -716,12 +375,12 @@ class Recorder:
             elif t is int or a is None:
                 key.append(a)
             else:
-                key.append(_key_part(a))
+                key.append(key_part(a))
         if kwargs:
-            key.append(_KWARGS)
+            key.append(KWARGS)
             for k, v in kwargs.items():
                 key.append(k)
-                key.append(_key_part(v))
+                key.append(key_part(v))
         return tuple(key)
 
     def compute_meta(self, func, args, kwargs):
@@ -730,7 +389,7 @@ class Recorder:
                 if isinstance(a, LazyTensor):
                     base = torch.empty((hint(a._storage.nbytes) // a.element_size(),), dtype=a.dtype,
                                        device="meta")
-                    return base.as_strided(*_layout(a))
+                    return base.as_strided(*concrete_layout(a))
                 return torch.empty_strided(tuple(a.shape), a.stride(), dtype=a.dtype, device="meta")
             if isinstance(a, LiftedScalar):   # a 0-d float32 tensor at run time
                 return torch.empty((), dtype=torch.float32, device="meta")
@@ -781,12 +440,12 @@ class Recorder:
     def record(self, func, args, kwargs, info: OpInfo):
         if self.carried_dims is not None:
             self.note_carried(args)
-        if self.symbolic is not None and _symbolic_args(args, kwargs):
+        if self.symbolic is not None and symbolic_args(args, kwargs):
             try:
                 (kind, descs), fakes = self.compute_fake(func, args, kwargs)
             except Exception:
                 return self.run_eager(func, args, kwargs, info, fallback=True)
-            recipe = Recipe(info, args, kwargs, kind, descs)   # symbolic sizes: not cached
+            recipe = Recipe(info, args, kwargs, kind, descs, True)   # symbolic sizes: not cached
             if recipe.reinterprets:
                 return self.run_eager(func, args, kwargs, info, fallback=True)
             return self._record(func, args, kwargs, info, recipe, fakes)
@@ -811,7 +470,7 @@ class Recorder:
             started = time.perf_counter()
             kind, descs = self.compute_meta(func, args if meta_args is None else meta_args,
                                             kwargs if meta_kwargs is None else meta_kwargs)
-            recipe = self.meta_cache[key] = Recipe(info, args, kwargs, kind, descs)
+            recipe = self.meta_cache[key] = Recipe(info, args, kwargs, kind, descs, self.symbolic is not None)
             self.meta_seconds += time.perf_counter() - started
         return recipe
 
@@ -838,7 +497,7 @@ class Recorder:
             enc_kwargs[k] = self.encode(v, sig, reads)
         writes = []
         for i, name in info.written_args:
-            a = _arg(args, kwargs, i, name)
+            a = arg(args, kwargs, i, name)
             for x in (a if isinstance(a, (list, tuple)) else (a,)):
                 if type(x) is LazyTensor:
                     storage = x._storage
@@ -858,12 +517,12 @@ class Recorder:
                 continue
             source, size, stride, offset, dtype, nbytes, meta, layout_key = out
             if source is not None and source[0] == "write":
-                src = _arg(args, kwargs, source[1], source[2])
+                src = arg(args, kwargs, source[1], source[2])
                 outs.append(src)
                 out_vids.append(src._vid)
                 continue
             if source is not None:
-                storage = _arg(args, kwargs, source[1], source[2])._storage
+                storage = arg(args, kwargs, source[1], source[2])._storage
             else:
                 storage = LazyStorage(nbytes, None, epoch, self.step_id)
             if fakes is None and layout_key is not None:
@@ -911,148 +570,6 @@ class Recorder:
         return recipe.kind(outs)
 
 
-class Recipe:
-    """How to record an op for one meta-cache key (op, input layouts, constants), worked out once:
-    the output container, per output where its storage comes from and its layout, the device, and
-    the encoding of each positional argument that is a constant (equal constants have equal keys)."""
-
-    __slots__ = ("kind", "outputs", "device", "reinterprets", "constants")
-
-    def __init__(self, info: OpInfo, args, kwargs, kind, descs) -> None:
-        self.kind = kind
-        self.constants = tuple(map(_constant, args))
-        self.device = device = _device_of(args, kwargs)
-        self.reinterprets = False
-        plans = info.returns
-        outputs = []
-        for j, d in enumerate(descs):
-            if d is None:
-                outputs.append(None)
-                continue
-            plan = plans[j] if j < len(plans) else (plans[0] if plans else None)
-            size, stride, offset, dtype, nbytes = d
-            if plan is not None and plan[0] == "view":
-                src = _arg(args, kwargs, plan[1], plan[2])
-                if dtype != src.dtype:
-                    # a view that reinterprets the bytes (view(dtype), view_as_real): storages here
-                    # hold one dtype, so the view is taken of the device data, as an eager op
-                    self.reinterprets = True
-                nbytes = src._storage.nbytes
-            meta = (size, stride, offset, dtype)
-            layout_key = None
-            if all(type(x) is int for x in size) and all(type(x) is int for x in stride) and \
-                    type(offset) is int and type(nbytes) is int:
-                layout_key = _layout_key(size, tuple(stride), offset, dtype, nbytes, device)
-            outputs.append((plan, size, tuple(stride), offset, dtype, nbytes, meta, layout_key))
-        self.outputs = tuple(outputs)
-
-
-_KWARGS = object()              # separates positional and keyword arguments in a meta-cache key
-_TRUE, _FALSE = ("bool", True), ("bool", False)     # True == 1: a bool constant is tagged
-
-
-def _constant_part(a):
-    """A constant's part of a key (meta cache, structural signature): floats that vary per step are
-    lifted by a rewrite, the others are constants, and output sizes may depend on them."""
-    t = type(a)
-    if t is float:
-        return ("f", a) if a == a and a != 0.0 else ("f", repr(a))   # -0.0 == 0.0, nan != nan
-    if t is bool:
-        return _TRUE if a else _FALSE       # True == 1
-    return a
-
-
-def _constant(a) -> tuple | None:
-    """(encoded argument, its signature parts) of an argument with no tensor, lifted scalar or size
-    symbol in it; None for the others. Entries share the encoded lists: nothing writes into them."""
-    t = type(a)
-    if t is list or t is tuple or t is torch.Size:
-        parts: list = [("list", len(a))]
-        items = []
-        for x in a:
-            c = _constant(x)
-            if c is None:
-                return None
-            items.append(c[0])
-            parts += c[1]
-        return items, tuple(parts)
-    if t is LazyTensor or t is LiftedScalar or t is torch.SymInt or t is torch.SymFloat or \
-            t is torch.SymBool or isinstance(a, torch.Tensor):
-        return None
-    return a, (_constant_part(a),)
-
-
-def _key_part(a):
-    """The part of an op's meta-cache key for one argument: what its output metadata depends on."""
-    t = type(a)
-    if t is LazyTensor:
-        return a._mk
-    if t is list or t is tuple:
-        if a and type(a[0]) is LazyTensor:
-            try:
-                return (t, *[x._mk for x in a])     # all lazy: a foreach op's list (else no `_mk`)
-            except AttributeError:
-                pass
-        parts = [t]
-        for x in a:
-            tx = type(x)
-            if tx is LazyTensor:
-                parts.append(x._mk)
-            elif tx is int:
-                parts.append(x)
-            else:
-                parts.append(_key_part(x))
-        return tuple(parts)
-    if t is LiftedScalar:
-        return float          # a 0-d float32 tensor whatever its value
-    if t is torch.SymInt or t is torch.SymFloat or t is torch.SymBool:
-        return hint(a)        # a size kept from an earlier symbolic step, recorded as its value
-    if isinstance(a, torch.Tensor):
-        return ("r", tuple(a.shape), a.stride(), a.storage_offset(), a.dtype, a.device)
-    return _constant_part(a)
-
-
-def _device_of(args, kwargs) -> torch.device:
-    for a in args:
-        if isinstance(a, LazyTensor):
-            return a.device
-        if isinstance(a, (list, tuple)):
-            for x in a:
-                if isinstance(x, LazyTensor):
-                    return x.device
-    for a in kwargs.values():
-        if isinstance(a, LazyTensor):
-            return a.device
-    for a in args:      # rewrites record ops on eager operands of a lazy computation
-        if isinstance(a, torch.Tensor):
-            return a.device
-    if "device" in kwargs:   # a factory op of a symbolic step
-        return torch.device(kwargs["device"]) if kwargs["device"] is not None else torch.device("cpu")
-    if RECORDER.symbolic is not None:
-        return torch.device("cpu")
-    raise RuntimeError("pydisc: an op reached the lazy dispatcher without a lazy tensor argument")
-
-
-def _symbolic_args(args, kwargs) -> bool:
-    """Does an op of a symbolic step involve a symbolic size (a tensor or an int argument)?"""
-    for a in args:
-        t = type(a)
-        if t is LazyTensor:
-            if a._concrete is not None:
-                return True
-        elif t is list or t is tuple or t is torch.Size:
-            if _symbolic_args(a, {}):
-                return True
-        elif t is torch.SymInt or t is torch.SymFloat or t is torch.SymBool:
-            return True
-    if kwargs:
-        return _symbolic_args(tuple(kwargs.values()), {})
-    return False
-
-
-_READ_OPS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default,
-             aten.allclose.default}
-
 RECORDER = Recorder()
 
 
@@ -1087,3 +604,6 @@ def materialize(t: LazyTensor, *, reason: str = "read") -> torch.Tensor:
         METRICS.materialization_sources[source or "?"] += 1
         RECORDER.run(t, reason)
     return t._real
+
+
+bind(RECORDER, materialize, to_lazy)

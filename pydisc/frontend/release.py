@@ -20,7 +20,8 @@ import weakref
 
 import torch
 
-from .lazy_tensor import RECORDER, LazyTensor, _flat_base
+from .layout import flat_base
+from .lazy_tensor import RECORDER, LazyTensor
 from .trace import LazyStorage
 
 __all__ = ["release_all", "restore"]
@@ -108,7 +109,7 @@ def restore(objects: list) -> int:
                 where = id(t)    # no memory (numel 0): shares nothing
             storage = storages.get(where)
             if storage is None:
-                storage = storages[where] = LazyStorage(real.untyped_storage().nbytes(), _flat_base(real))
+                storage = storages[where] = LazyStorage(real.untyped_storage().nbytes(), flat_base(real))
             return LazyTensor(tuple(real.shape), real.stride(), real.storage_offset(), real.dtype, real.device,
                               storage, real=real)
 

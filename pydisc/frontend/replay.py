@@ -17,7 +17,7 @@ import torch
 from torch._dispatch.python import enable_python_dispatcher
 from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 
-from .symbolic import SymArg, SymExpr
+from .symbolic import SymArg, SymExpr, hint
 from .trace import RealRef, ScalarRef, Trace, ValueRef
 
 __all__ = ["Program", "program_from_trace", "functional_graph"]
@@ -148,8 +148,6 @@ def program_from_trace(trace: Trace, entry_indices: list[int], outputs: tuple) -
 
 def concrete_program(trace: Trace, entry_indices: list[int], outputs: tuple) -> Program:
     """A symbolically recorded step as a program for this step's sizes only."""
-    from .symbolic import hint
-
     def convert(a):
         if type(a) is SymArg:
             return hint(a.sym)

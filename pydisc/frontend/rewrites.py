@@ -22,7 +22,8 @@ import torch
 from torch.utils._mode_utils import no_dispatch
 
 from .foreach import optimizers_take_their_foreach_path, record_foreach
-from .lazy_tensor import RECORDER, LazyTensor, LiftedScalar, _opinfo, liftable
+from .lazy_tensor import RECORDER, LazyTensor, LiftedScalar, liftable
+from .op_facts import REWRITES, opinfo
 from .symbolic import hint
 
 __all__ = ["install_rewrites"]
@@ -31,7 +32,7 @@ aten = torch.ops.aten
 
 
 def _record(func, *args, **kwargs):
-    return RECORDER.record(func, args, kwargs, _opinfo(func))
+    return RECORDER.record(func, args, kwargs, opinfo(func))
 
 
 def _binary_scalar(tensor_op):
@@ -254,7 +255,7 @@ def _eager_verdict(func, args, kwargs) -> BaseException | None:
 
 
 def install_rewrites() -> None:
-    r = RECORDER.rewrites
+    r = REWRITES
     for base in ("mul", "div"):
         for inplace in ("", "_"):
             packet = getattr(aten, base + inplace)
@@ -271,7 +272,7 @@ def install_rewrites() -> None:
         add = getattr(aten, "add" + inplace).Tensor
         r[getattr(aten, "addcmul" + inplace).default] = _addc(aten.mul.Tensor, add)
         r[getattr(aten, "addcdiv" + inplace).default] = _addc(aten.div.Tensor, add)
-    RECORDER.foreach_rewrite = record_foreach     # matched by name: aten's namespace loads ops lazily
+    r["_foreach_"] = record_foreach     # matched by name: aten's namespace loads ops lazily
     optimizers_take_their_foreach_path()
     r[aten.native_batch_norm.default] = _batch_norm
     r[aten._native_batch_norm_legit.default] = _batch_norm_eval_cpu

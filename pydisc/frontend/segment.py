@@ -21,8 +21,10 @@ from torch.utils import _pytree as pytree
 from .. import metrics as _metrics
 from ..config import CONFIG
 from .fused import FV, XV, Demote, FusedStep, NoMeta, _amp, _fv, _slots, _xv
-from .lazy_tensor import (RECORDER, LazyTensor, _constant_part, _contiguous_strides, _layout_key, _make_wrapper,
-                          materialize)
+from .layout import contiguous_strides, layout_key
+from .lazy_tensor import RECORDER, LazyTensor, materialize
+from .meta_keys import constant_part
+from .tensor import _make_wrapper
 from .source import user_source
 from .trace import Entry, LazyStorage, out_kind
 
@@ -192,7 +194,7 @@ class Segment:
             raise Demote("a dict argument")
         if t is torch.SymInt or t is torch.SymFloat or t is torch.SymBool:
             raise Demote("a symbolic size")
-        sig.append(_constant_part(a))
+        sig.append(constant_part(a))
         return a
 
     def layout_of(self, v) -> tuple:
@@ -525,7 +527,7 @@ class Segment:
             for i in leaves:
                 p = self.externals[i]
                 size = tuple(p.shape)
-                stride = p.stride() if p.is_contiguous() and p.storage_offset() == 0 else _contiguous_strides(size)
+                stride = p.stride() if p.is_contiguous() and p.storage_offset() == 0 else contiguous_strides(size)
                 nbytes = p.numel() * p.element_size()
                 g = self._new_value(trace, kind, size, stride, 0, p.dtype, nbytes, None, epoch)
                 out_vids.append(g._vid)
@@ -565,7 +567,7 @@ class Segment:
             obj = LazyTensor(size, stride, offset, dtype, self.device, storage)
         else:
             obj._storage = storage
-            obj._mk = _layout_key(size, tuple(stride), offset, dtype, storage.nbytes, self.device)
+            obj._mk = layout_key(size, tuple(stride), offset, dtype, storage.nbytes, self.device)
         vid = trace.new_value(kind, storage, (size, tuple(stride), offset, dtype))
         if fresh:
             storage.creator = vid

@@ -21,7 +21,7 @@ import torch
 import pydisc
 from pydisc.driver.engine import ENGINE
 from pydisc.exec import compiler
-from pydisc.frontend import lazy_tensor
+from pydisc.frontend import op_facts
 from pydisc.frontend.lazy_tensor import RECORDER, LazyTensor
 from pydisc.metrics import METRICS
 
@@ -82,7 +82,7 @@ def footprint(step: int, device: torch.device | str = "cpu") -> Footprint:
         vmfb_cache=len(compiler._VMFB_CACHE),
         module_cache=len(compiler._MODULE_CACHE),
         meta_cache=len(RECORDER.meta_cache),
-        op_infos=len(lazy_tensor._OPINFO),
+        op_infos=len(op_facts.OPINFOS),
         metric_entries=metric_entries,
         gc_objects=len(objects),
         **(_cuda_memory(device) if device.type == "cuda" else {}),

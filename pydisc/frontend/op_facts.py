@@ -1,0 +1,95 @@
+"""What the recorder knows about an ATen op, worked out once from its schema: `OpInfo` (its writes,
+views and returns, whether it needs data and runs eagerly, its rewrite, whether any rule or
+decomposition covers it), the rewrite registry, and the ops read on the host."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .decompositions import DECOMPOSITIONS
+from .lowering.registry import LOWERINGS
+
+__all__ = ["EAGER_OPS", "OpInfo", "READ_OPS", "REWRITES", "arg", "opinfo"]
+
+aten = torch.ops.aten
+
+# Rewrites recorded instead of the op (frontend/rewrites.py, foreach.py, collectives.py), installed at
+# import: by op, by "_foreach_" for every foreach op (aten's namespace loads them lazily), by namespace.
+REWRITES: dict[object, Callable] = {}
+
+
+class OpInfo:
+    __slots__ = ("name", "returns", "written_args", "needs_eager", "is_view", "rewrite", "unruled")
+
+    def __init__(self, func) -> None:
+        # OpOverload hashes in Python: everything per op is looked up once by id() and kept here.
+        self.name = str(func)
+        self.rewrite = REWRITES.get(func)
+        if self.rewrite is None and func.__name__.startswith("_foreach_"):
+            self.rewrite = REWRITES.get("_foreach_")
+        if self.rewrite is None:   # whole namespaces: torch.distributed's (frontend/collectives.py)
+            self.rewrite = REWRITES.get(func.namespace)
+        schema = func._schema
+        sets: dict[str, tuple[int, str]] = {}
+        written = []
+        for i, a in enumerate(schema.arguments):
+            if a.alias_info is not None:
+                for s in a.alias_info.before_set:
+                    sets[s] = (i, a.name)
+                if a.alias_info.is_write:
+                    written.append((i, a.name))
+        returns = []
+        for r in schema.returns:
+            ai = r.alias_info
+            if ai is not None and ai.before_set:
+                i, name = sets[next(iter(ai.before_set))]
+                returns.append(("write" if ai.is_write else "view", i, name))
+            elif ai is not None and func.is_view:
+                # `Tensor(a)[]` (split, unbind, chunk): the alias set sits on the list's elements, and
+                # every element views the aliased argument
+                i, name = next((i, a.name) for i, a in enumerate(schema.arguments) if a.alias_info is not None)
+                returns.append(("view", i, name))
+            else:
+                returns.append(None)
+        self.returns = returns
+        self.written_args = tuple(written)
+        self.is_view = any(r is not None and r[0] == "view" for r in returns)
+        self.needs_eager = func in EAGER_OPS or (not schema.returns and not written) \
+            or any(str(r.type) not in _TENSOR_RETURN_TYPES for r in schema.returns)
+        # neither a StableHLO rule nor a decomposition: a likely fallback, whose source line the ledger
+        # wants even in steps recorded without source lines
+        functional = func
+        if schema.is_mutable and func._opname.endswith("_"):   # add_ is recorded, add is lowered
+            packet = getattr(torch.ops.aten, func._opname[:-1], None)
+            functional = getattr(packet, func._overloadname, func) if packet is not None else func
+        # (composite ops, such as `linear` recorded whole in steps without grad, are split by torch)
+        self.unruled = functional not in LOWERINGS and functional not in DECOMPOSITIONS and \
+            not torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
+
+
+_TENSOR_RETURN_TYPES = {"Tensor", "List[Tensor]", "Tensor[]", "Optional[Tensor]", "Tensor?"}
+# Ops that read data on the host, move data between devices, or change a tensor's metadata in place.
+EAGER_OPS = {
+    aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default, aten.allclose.default,
+    aten.nonzero.default, aten._unique2.default, aten.masked_select.default,
+    aten.view.dtype, aten.set_.source_Storage_storage_offset, aten.set_.source_Tensor,
+    aten.resize_.default, aten.as_strided_.default, aten._has_compatible_shallow_copy_type.default,
+}
+OPINFOS: dict[int, OpInfo] = {}    # id(OpOverload) -> facts; overloads live as long as the process
+
+
+def opinfo(func) -> OpInfo:
+    info = OPINFOS.get(id(func))
+    if info is None:
+        info = OPINFOS[id(func)] = OpInfo(func)
+    return info
+
+
+def arg(args, kwargs, index: int, name: str):
+    return args[index] if index < len(args) else kwargs.get(name)
+
+
+# Ops that read on the host: run eagerly and not counted as fallbacks.
+READ_OPS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default,
+             aten.allclose.default}
