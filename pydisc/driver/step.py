@@ -17,18 +17,18 @@ import torch
 from ..config import CONFIG
 from ..diagnostics import explain_recompile, log, warn_once
 from ..exec import graphs
-from ..exec.errors import DeviceOutOfMemoryError, is_out_of_memory
 from ..frontend import fast
-from ..frontend.layout import flat_base, view_of_base
 from ..frontend.lazy_tensor import PRUNE_FIRST_AT, RECORDER, LazyTensor, materialize
-from ..frontend.tensor import concrete_layout
 from ..frontend.replay import NotDynamic, Program, concrete_program, program_from_trace, symbolic_program
-from ..frontend.trace import LazyStorage, Trace
+from ..frontend.trace import Trace
 from ..metrics import METRICS
-from . import background, dynamic, optimizer_state, step_choice
+from . import background, dynamic, optimizer_state, step_choice, template_match
 from .dynamic import Binding
+from .bind import bind
 from .engine import ENGINE
+from .oom import out_of_memory_error, out_of_memory_in
 from .plan import StepPlan, build_plan
+from .slices import concrete_key, inputs_seen, needed_entries, observable_entries, select_outputs, step_device
 from .step_check import StepCheck
 
 __all__ = ["run_pending", "prune_pending", "clear_plans"]
@@ -43,72 +43,8 @@ def clear_plans() -> None:
     ENGINE.reset()
 
 
-def _step_device(trace: Trace) -> torch.device:
-    for t in trace.storage_inputs:
-        return t.device
-    for t in trace.real_inputs:
-        if t.dim() > 0:
-            return t.device
-    return torch.device("cpu")
-
-
-def _needed_entries(trace: Trace, storage: LazyStorage) -> list[int]:
-    """Entries that the current data of `storage` depends on, in program order.
-
-    One backward pass tracks which storages' state is still needed at each point. An entry left out
-    that touches a storage which a kept entry later writes (it would read the new value, or overwrite
-    it, when run afterwards) is forced in, and the pass repeats until nothing changes.
-    """
-    entries = trace.entries
-    n = len(entries)
-    produced = [{id(trace.storages[v]) for v in e.out_vids if v is not None} | {id(s) for s in e.writes}
-                for e in entries]
-    reads = [{id(s) for s in e.reads} for e in entries]
-    writes = [{id(s) for s in e.writes} for e in entries]
-    forced: set[int] = set()
-    while True:
-        needed = {id(storage)}
-        include = [False] * n
-        for i in range(n - 1, -1, -1):
-            if i in forced or produced[i] & needed:
-                include[i] = True
-                needed |= reads[i]
-        later_writes: set[int] = set()
-        new_forced = set()
-        for i in range(n - 1, -1, -1):
-            if include[i]:
-                later_writes |= writes[i]
-            elif (reads[i] | writes[i]) & later_writes:
-                new_forced.add(i)
-        if not new_forced:
-            return [i for i in range(n) if include[i]]
-        forced |= new_forced
-
-
-def _observable_entries(trace: Trace) -> list[int]:
-    """Entries whose effect can still be seen, in program order: they make or write (directly or through
-    later entries) a storage that a live lazy tensor or an input of the step holds. The others made
-    only tensors that have died since, and running them would compute values nobody can read."""
-    roots = {id(s) for s in trace.input_storages}
-    for ref in trace.tensors.values():
-        t = ref()
-        if t is not None:
-            roots.add(id(t._storage))
-    needed = roots
-    keep = []
-    storages = trace.storages
-    for i in range(len(trace.entries) - 1, -1, -1):
-        e = trace.entries[i]
-        if any(id(s) in needed for s in e.writes) or \
-                any(v is not None and id(storages[v]) in needed for v in e.out_vids):
-            keep.append(i)
-            needed.update(id(s) for s in e.reads)
-    keep.reverse()
-    return keep
-
-
 def prune_pending() -> None:
-    """Drop the pending entries nobody can observe any more (`_observable_entries`): the trace is rebuilt
+    """Drop the pending entries nobody can observe any more (`observable_entries`): the trace is rebuilt
     from the others (`Trace.compacted`), or started afresh if none is left, which releases whatever the
     dropped ones held (eager tensors they captured, inputs of the step only they used).
 
@@ -123,39 +59,12 @@ def prune_pending() -> None:
             gc.collect()
         trace = RECORDER.trace
         if trace.symbolic is None and trace.entries:
-            kept = _observable_entries(trace)
+            kept = observable_entries(trace)
             if not kept:
                 RECORDER.new_trace()
             elif len(kept) < len(trace.entries):
                 RECORDER.trace = trace.compacted(kept)
         RECORDER.prune_at = max(PRUNE_FIRST_AT, 2 * len(RECORDER.trace.entries))
-
-
-def _select_outputs(trace: Trace, executed: list[int], remaining: list[int]) -> tuple:
-    """Storages whose data must exist after running `executed`: inputs they write (written back), and
-    storages they create that a live tensor or a remaining entry still uses."""
-    remaining_reads = set()
-    for i in remaining:
-        remaining_reads |= {id(s) for s in trace.entries[i].reads}
-    alive_storages = set()
-    for vid, ref in trace.tensors.items():
-        t = ref()
-        if t is not None:
-            alive_storages.add(id(t._storage))
-    outputs = []
-    written_inputs = set()
-    for i in executed:
-        e = trace.entries[i]
-        for s in e.writes:
-            if s.input_index >= 0 and s.epoch == trace.epoch:
-                written_inputs.add(s.input_index)
-        for vid in e.out_vids:
-            if vid is None:
-                continue
-            s = trace.storages[vid]
-            if s.creator == vid and (id(s) in alive_storages or id(s) in remaining_reads):
-                outputs.append(("value", vid))
-    return tuple(("base", i) for i in sorted(written_inputs)) + tuple(outputs)
 
 
 def run_pending(target: LazyTensor | None = None, reason: str = "mark_step") -> None:
@@ -183,8 +92,8 @@ def run_pending(target: LazyTensor | None = None, reason: str = "mark_step") -> 
             RECORDER.end_step()
             RECORDER.grad_inputs = []
             optimizer_state.abandoned()
-            if _is_out_of_memory(exc):
-                raise _out_of_memory(exc, trace) from exc
+            if out_of_memory_in(exc):
+                raise out_of_memory_error(exc, trace) from exc
             raise
         if reason == "mark_step":
             RECORDER.end_step()
@@ -231,16 +140,16 @@ def _run(trace: Trace, target: LazyTensor | None) -> tuple:
     if target is None:
         executed = list(range(n))
     else:
-        executed = _needed_entries(trace, target._storage)
+        executed = needed_entries(trace, target._storage)
     trace.check_real_inputs(executed)
     executed_set = set(executed)
     remaining = [i for i in range(n) if i not in executed_set]
     if remaining:
         # what a read leaves pending and nobody can observe any more is dropped, not kept to the mark
-        observable = set(_observable_entries(trace))
+        observable = set(observable_entries(trace))
         remaining = [i for i in remaining if i in observable]
-    outputs = _select_outputs(trace, executed, remaining)
-    device = _step_device(trace)
+    outputs = select_outputs(trace, executed, remaining)
+    device = step_device(trace)
     scalars = _scalars(trace.scalars, device) if trace.scalars else None
     inputs = list(trace.storage_inputs) + list(trace.real_inputs) + ([scalars] if scalars is not None else [])
     if target is not None and remaining and len(executed) <= SMALL_READ_OPS:
@@ -249,22 +158,22 @@ def _run(trace: Trace, target: LazyTensor | None) -> tuple:
         program = concrete_program(trace, executed, outputs) if trace.symbolic is not None else \
             program_from_trace(trace, executed, outputs)
         METRICS.reads_run_eagerly += 1
-        _bind(trace, outputs, program(*inputs), executed, remaining)
+        bind(trace, outputs, program(*inputs), executed, remaining)
         return None, False, device
     if trace.symbolic is not None:
         plan, call_inputs, perm = _plan_symbolic(trace, executed, outputs, inputs, scalars, device)
         key = None
     else:
         started = time.perf_counter()
-        key = _concrete_key(trace, executed, outputs)
+        key = concrete_key(trace, executed, outputs)
         plan = ENGINE.plans.get(key)
         if plan is None and RECORDER.gc_paused and gc.collect(0):
             # The cyclic GC is paused while a step records: a lazy tensor held only by a reference
             # cycle (frames of an exception caught inside a meta kernel, a module imported by one)
             # looks alive and would become an output of the new plan, and the next step, without
             # it, would plan again. Collected here, before planning, rather than on every step.
-            outputs = _select_outputs(trace, executed, remaining)
-            key = _concrete_key(trace, executed, outputs)
+            outputs = select_outputs(trace, executed, remaining)
+            key = concrete_key(trace, executed, outputs)
             plan = ENGINE.plans.get(key)
         METRICS.lookup_seconds += time.perf_counter() - started
         if plan is None:
@@ -282,7 +191,7 @@ def _run(trace: Trace, target: LazyTensor | None) -> tuple:
                     # built in a thread (once, after this step); until it is ready, steps run eagerly
                     if not binding.template.building:
                         METRICS.steps += 1
-                        _bind(trace, outputs, program_from_trace(trace, executed, outputs)(*inputs), executed,
+                        bind(trace, outputs, program_from_trace(trace, executed, outputs)(*inputs), executed,
                               remaining)
                         _start_template(binding.template, device)
                         return None, False, device
@@ -326,7 +235,7 @@ def _run(trace: Trace, target: LazyTensor | None) -> tuple:
                 torch.cuda.synchronize(device)
             except Exception:
                 raise exc from None
-        if _is_out_of_memory(exc):
+        if out_of_memory_in(exc):
             # not a fault of the plan: neither given up for eager (which would need the same memory) nor
             # counted as a failure; the step is abandoned and the error says where and why (run_pending)
             raise
@@ -353,7 +262,7 @@ def _run(trace: Trace, target: LazyTensor | None) -> tuple:
         METRICS.note_fallback(op, count, plan.eager_dtypes.get(op, ()), plan.eager_sources.get(op))
     for op, count in plan.library_ops.items():
         METRICS.library_ops[op] += count
-    _bind(trace, outputs, results, executed, remaining)
+    bind(trace, outputs, results, executed, remaining)
     return (id(plan) if key is not None else None), cached, device
 
 
@@ -367,85 +276,6 @@ def _scalars(values: list, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def _is_out_of_memory(exc: BaseException) -> bool:
-    return is_out_of_memory(exc)
-
-
-def _out_of_memory(exc: BaseException, trace: Trace) -> RuntimeError:
-    """The error a step that ran out of memory raises: what ran out (the cluster or eager op, how much it
-    asked for, what the device has left), what became of the user's tensors, and what to do."""
-    device = _step_device(trace)
-    where = getattr(exc, "where", "") or _eager_op_of(exc)
-    nbytes = getattr(exc, "nbytes", None)
-    lines = ["pydisc: out of memory on %s running %s%s." % (
-        device, where or "the step", " (asking for %s)" % _size(nbytes) if nbytes else "")]
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        lines.append("%s has %s free of %s; torch holds %s in tensors and has %s reserved." % (
-            device, _size(free), _size(total), _size(torch.cuda.memory_allocated(device)),
-            _size(torch.cuda.memory_reserved(device))))
-    lines.append("The step was abandoned: parameters, buffers and optimizer state keep the values of the "
-                 "last completed step, and what this step computed has no data.")
-    orphans = sum(1 for ref in trace.tensors.values() if (t := ref()) is not None and t._real is None)
-    if orphans:
-        lines.append("%d tensor%s that this step made %s still referenced and %s no data (the loss, "
-                     "gradients, the state an optimizer creates in its first step): let go of them before "
-                     "the next step (optimizer.zero_grad() drops the gradients; after an optimizer's first "
-                     "step, optimizer.state.clear() drops its state)."
-                     % (orphans, "s" if orphans > 1 else "", "are" if orphans > 1 else "is",
-                        "have" if orphans > 1 else "has"))
-    advice = "Lower the batch size (or the sequence length), or free tensors kept alive between steps"
-    if device.type == "cuda":
-        advice += "; if much memory is reserved but not in tensors, PYTORCH_CUDA_ALLOC_CONF=" \
-                  "expandable_segments:True reduces fragmentation"
-    lines.append(advice + "; then run the step again.")
-    lines.append("(%s: %s)" % (type(exc.__cause__ or exc).__name__, str(exc).strip().splitlines()[0][:300]))
-    return DeviceOutOfMemoryError("\n".join(lines), where=where, nbytes=nbytes)
-
-
-def _eager_op_of(exc: BaseException) -> str:
-    """The ATen op that raised `exc` in an eager part of a plan: the innermost frame of a replayed
-    `Program` (its `fn`) or of a torch.fx graph's generated code (its source line)."""
-    import traceback
-    for frame, _ in reversed(list(traceback.walk_tb(exc.__traceback__))):
-        if frame.f_code is Program.__call__.__code__ and "fn" in frame.f_locals:
-            return "eager op %s" % frame.f_locals["fn"]
-        if frame.f_code.co_filename.startswith("<eval_with_key>"):
-            line = traceback.FrameSummary(frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name,
-                                          lookup_line=True, locals=None).line or ""
-            call = line.partition("=")[2].strip().partition("(")[0]
-            return "eager op %s" % call.removeprefix("torch.ops.") if call else ""
-    return ""
-
-
-def _size(nbytes: int) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB"):
-        if nbytes < 1024 or unit == "GiB":
-            return ("%d %s" if unit == "bytes" else "%.1f %s") % (nbytes, unit)
-        nbytes /= 1024
-    return ""
-
-
-def _concrete_key(trace: Trace, executed: list[int], outputs: tuple) -> tuple:
-    """What a plan for the executed entries depends on: inputs' metadata, ops, constants, outputs."""
-    return (
-        tuple((t.numel(), t.dtype, t.device) for t in trace.storage_inputs),
-        tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in trace.real_inputs),
-        tuple(v for v in trace.values if v[0] == "in"),
-        tuple(trace.entries[i].sig for i in executed),
-        len(trace.scalars),
-        outputs,
-    )
-
-
-def _inputs_seen(trace: Trace) -> tuple:
-    """What `dynamic.changed_dims` compares between two steps with the same ops: the step inputs'
-    shapes, which input storages the previous step made (a KV cache made anew each step), the step."""
-    previous = RECORDER.step_id - 1
-    return (list(RECORDER.input_shapes), tuple(s.produced == previous for s in trace.input_storages),
-            RECORDER.step_id)
-
-
 def _plan_concrete(trace: Trace, key: tuple, executed: list[int], outputs: tuple, inputs: list,
                    device: torch.device, remaining: list[int]):
     """A plan for a step structure not planned before: a dynamic template that matches it, or a new
@@ -455,23 +285,23 @@ def _plan_concrete(trace: Trace, key: tuple, executed: list[int], outputs: tuple
     ops = tuple(sig[0] for sig in key[3])
     if CONFIG.dynamic and ENGINE.dynamic.templates:
         for template in ENGINE.dynamic.templates:
-            binding = dynamic.match_template(template, trace, executed, outputs)
+            binding = template_match.match_template(template, trace, executed, outputs)
             if binding is not None:
                 ENGINE.dynamic.misses = 0
                 log("recompiles", "step matches a dynamic-shape plan with sizes %s", binding.sizes)
                 METRICS.dynamic_matches += 1
                 ENGINE.plans[key] = binding
-                ENGINE.seen_ops[ops] = (key, _inputs_seen(trace))
+                ENGINE.seen_ops[ops] = (key, inputs_seen(trace))
                 return binding
     sources = [trace.entries[i].source for i in executed]
     seen, seen_inputs = ENGINE.seen_ops.get(ops, (None, None))
-    shapes = _inputs_seen(trace)
+    shapes = inputs_seen(trace)
     program = program_from_trace(trace, executed, outputs)
 
     def run_now() -> None:
         """This step runs its recorded ops in torch and binds their results."""
         METRICS.steps += 1
-        _bind(trace, outputs, program(*inputs), executed, remaining)
+        bind(trace, outputs, program(*inputs), executed, remaining)
 
     def run_eagerly(reason: str) -> None:
         METRICS.recompiles.append(reason)
@@ -530,7 +360,7 @@ def _plan_concrete(trace: Trace, key: tuple, executed: list[int], outputs: tuple
     except KeyboardInterrupt:
         # Ctrl-C during a long compile: finish this step eagerly, so that everything it made
         # (optimizer state included) holds data, then stop as asked.
-        _bind(trace, outputs, program(*inputs), executed, remaining)
+        bind(trace, outputs, program(*inputs), executed, remaining)
         optimizer_state.completed()
         raise
     ENGINE.plans[key] = plan
@@ -616,7 +446,7 @@ def _start_template(template, device: torch.device) -> None:
         template.guards = template.session.guards()
         template.fakes = None
         for k, b in list(ENGINE.plans.items()):
-            if type(b) is Binding and b.template is template and not dynamic.guards_hold(template, b.sizes):
+            if type(b) is Binding and b.template is template and not template_match.guards_hold(template, b.sizes):
                 del ENGINE.plans[k]
 
     def failed(exc: BaseException) -> None:
@@ -635,7 +465,7 @@ def _build_template(binding, device: torch.device) -> bool:
     METRICS.plans_compiled += 1
     template.guards = template.session.guards()
     template.fakes = None
-    return dynamic.guards_hold(template, binding.sizes)
+    return template_match.guards_hold(template, binding.sizes)
 
 
 def _fake_inputs(trace: Trace, template, scalars) -> list:
@@ -666,117 +496,5 @@ def _fake_inputs(trace: Trace, template, scalars) -> list:
         fakes.append(session.fake_static(tuple(scalars.shape), scalars.stride(), 0, scalars.dtype,
                                          scalars.device, scalars.untyped_storage().nbytes()))
     return fakes
-
-
-def _as_layout(val: torch.Tensor, size, stride) -> torch.Tensor:
-    """`val` with exactly the recorded strides, so views of its storage land where eager's would."""
-    if tuple(val.shape) == tuple(size) and val.storage_offset() == 0 and \
-            (tuple(val.stride()) == tuple(stride) or val.numel() <= 1):
-        return val
-    out = torch.empty_strided(size, stride, dtype=val.dtype, device=val.device)
-    if val.numel() == 0 and out.numel() != 0:
-        # A CPU kernel that returns an empty tensor where its meta kernel promises data (the saved
-        # statistics of _native_batch_norm_legit_no_training): values eager never defines.
-        return out.zero_()
-    out.copy_(val.reshape(size))
-    return out
-
-
-def _bind(trace: Trace, outputs: tuple, results: list[torch.Tensor], executed: list[int],
-          remaining: list[int]) -> None:
-    touched: list[LazyStorage] = []
-    for (kind, index), val in zip(outputs, results):
-        if kind == "base":
-            storage = trace.input_storages[index]
-            if val.data_ptr() != storage.real.data_ptr():
-                storage.real.copy_(val.reshape(storage.real.shape))
-            trace.storage_versions[index] = storage.real._version   # our own write, not the user's
-        else:
-            storage = trace.storages[index]
-            size, stride, offset, dtype = trace.metas[index]
-            storage.real = flat_base(_as_layout(val, size, stride))
-        touched.append(storage)
-    if not remaining:
-        # everything ran: every tensor made in this trace views its storage's new data (the storages
-        # of the step's inputs were written in place, so their tensors' views stay valid)
-        values = trace.values
-        symbolic = []
-        for vid, ref in trace.tensors.items():
-            t = ref()
-            if t is None:
-                continue
-            if (values[vid][0] == "out" or t._real is None) and t._storage.real is not None:
-                t._real = view_of_base(t._storage.real, *concrete_layout(t))
-            if t._concrete is not None and trace.symbolic is not None and t._real is not None:
-                symbolic.append(t)
-        trace.release()
-        RECORDER.new_trace()
-        if symbolic:
-            _concretize(symbolic)
-        return
-    executed_vids = set()
-    for i in executed:
-        executed_vids.update(v for v in trace.entries[i].out_vids if v is not None)
-    for vid, ref in list(trace.tensors.items()):
-        t = ref()
-        if t is None:
-            del trace.tensors[vid]
-            continue
-        if vid in executed_vids or t._real is None:
-            if t._storage.real is not None:
-                t._real = view_of_base(t._storage.real, *concrete_layout(t))
-    # Keep the rest pending: values made by the executed entries become inputs of what remains.
-    size_only = _size_only_storages(trace, executed) if trace.symbolic is not None else set()
-    for vid in executed_vids:
-        storage = trace.storages[vid]
-        if storage.real is None:
-            continue
-        if storage.input_index < 0:
-            storage.input_index = len(trace.storage_inputs)
-            trace.storage_inputs.append(storage.real)
-            trace.input_storages.append(storage)
-            trace.storage_versions.append(storage.real._version)
-        trace.values[vid] = ("in", storage.input_index, trace.metas[vid][:3])
-        if id(storage) in size_only:
-            trace.size_only_inputs.add(storage.input_index)
-        storage.creator = None
-    for s in touched:
-        s.written = False
-    trace.entries = [trace.entries[i] for i in remaining]
-    trace.partly_run = True
-    for e in trace.entries:
-        for s in e.writes:
-            s.written = True
-
-
-def _concretize(tensors: list[LazyTensor]) -> None:
-    """Tensors a symbolic step made hold sizes of its ShapeEnv (`s41 + 1`), which later steps' Python
-    code would compute with (HF Llama's positions: `torch.arange(1) + cache.get_seq_length()` gave
-    garbage from such a size): each becomes, in place (`torch.utils.swap_tensors`), the same tensor
-    with this step's sizes. One that autograd knows (it requires grad or has one: swapping would drop
-    its gradient) or that is still referenced from C++ (an argument of the op under way) keeps its
-    symbolic sizes."""
-    for t in tensors:
-        if all(type(x) is int for x in t.shape) or t.requires_grad or t.grad is not None:
-            continue
-        size, stride, offset = t._concrete
-        twin = LazyTensor(size, stride, offset, t.dtype, t.device, t._storage, real=t._real,
-                          requires_grad=t.requires_grad)
-        try:
-            torch.utils.swap_tensors(t, twin)
-        except RuntimeError:
-            log("recompiles", "a tensor of shape %s keeps its symbolic sizes (referenced from C++)", size)
-
-
-def _size_only_storages(trace: Trace, executed: list[int]) -> set[int]:
-    """ids of the storages that `executed` entries computed from sizes and eager tensors alone: entries
-    that read no storage but those such entries made, and no lifted scalar."""
-    made: set[int] = set()
-    for i in executed:
-        e = trace.entries[i]
-        if "scalar" in e.sig or any(id(s) not in made for s in e.reads):
-            continue
-        made.update(id(trace.storages[v]) for v in e.out_vids if v is not None)
-    return made
 
 

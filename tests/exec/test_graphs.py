@@ -108,7 +108,7 @@ def test_outputs_written_into_inputs_are_copied_by_the_graph(fake_graphs):
     kept = []
     for step in range(1, 6):
         first, second = g([a])
-        if first is not a:          # a run kernel by kernel: the step copies it (step._bind)
+        if first is not a:          # a run kernel by kernel: the step copies it (driver/bind.py)
             a.copy_(first)
         torch.testing.assert_close(a, torch.full((2,), float(step)))
         kept.append(second)
@@ -127,7 +127,7 @@ def test_outputs_written_into_inputs_are_copied_together(fake_graphs, monkeypatc
     g = graphs.StepGraph(lambda a, b, c: [a + 1, b + 2, c + 3], torch.device("cpu"), {0: 0, 1: 1, 2: 2})
     for step in range(1, 6):
         outs = g(params)
-        if outs[0] is not params[0]:       # a run kernel by kernel: the step copies (step._bind)
+        if outs[0] is not params[0]:       # a run kernel by kernel: the step copies (driver/bind.py)
             for p, o in zip(params, outs):
                 p.copy_(o)
         for p, inc in zip(params, (1, 2, 3)):
@@ -140,7 +140,7 @@ def test_outputs_written_into_inputs_are_copied_together(fake_graphs, monkeypatc
     for step in range(5):
         before = (a.clone(), b.clone())
         outs = swap([a, b])
-        if outs[0] is not a:       # a run kernel by kernel: the step binds the new values (step._bind)
+        if outs[0] is not a:       # a run kernel by kernel: the step binds the new values (driver/bind.py)
             new = [o.clone() for o in outs]
             a.copy_(new[0]), b.copy_(new[1])
         assert torch.equal(a, before[1]) and torch.equal(b, before[0]), (step, a, b)

@@ -421,13 +421,13 @@ def test_dead_pending_tensors_are_freed_and_not_computed(monkeypatch):
     assert all(r() is None for r in refs), "dead lazy tensors are kept alive by the pending trace"
     gc.collect()
     captured = []
-    real_select = pstep._select_outputs
+    real_select = pstep.select_outputs
 
     def spy(trace, executed, remaining):
         out = real_select(trace, executed, remaining)
         captured.append(out)
         return out
-    monkeypatch.setattr(pstep, "_select_outputs", spy)
+    monkeypatch.setattr(pstep, "select_outputs", spy)
     pydisc.mark_step()
     assert len(captured) == 1
     values = [i for kind, i in captured[0] if kind == "value"]
