@@ -14,6 +14,7 @@ compared too").
 """
 from __future__ import annotations
 
+import gc
 import time
 
 import torch
@@ -299,6 +300,11 @@ def _keep_eager(s: ChoiceState, why: str, plain_before: int = 0) -> None:
     with its autograd history, usually is not by then)."""
     released_before, s.released = s.released, None
     walk = released_before is None or any(ref() is not None for ref in s.kept)
+    if walk and released_before is not None:
+        # a tensor it kept may be cyclic garbage not collected yet (the recorder pauses the cyclic
+        # collector while a step records): collecting is cheaper than walking every object again
+        gc.collect()
+        walk = any(ref() is not None for ref in s.kept)
     s.kept = []
     ENGINE.set_passthrough(True)
     graphs.release_memory()
