@@ -66,7 +66,7 @@ class Config:
     # (pydisc/exec/direct), "iree" calls IREE's runtime (its own stream, a host sync per call)
     gpu_executor: str = _choice("PYDISC_GPU_EXECUTOR", "direct", ("direct", "iree"))
     # on its second call, time each compiled cluster against its ops run eagerly and keep eager where
-    # it is >10% faster (plan.CompiledCluster.measure): "cuda" (default), "cpu", "all" or "off"
+    # it is >10% faster (exec/clusters.py, CompiledCluster.measure): "cuda" (default), "cpu", "all" or "off"
     measure: str = _scope("PYDISC_MEASURE", "cuda")
     # once a step graph repeats, time a few steps compiled and a few run eagerly op by op, and keep the
     # faster for the rest of the process (pydisc/driver/step_choice.py): "all" (default), "cuda", "cpu", "off"

@@ -1,7 +1,7 @@
 """The one owner of the step driver's per-process state: `ENGINE`.
 
 Everything the driver remembers between two `mark_step()`s lives here, so that one `reset()` forgets
-all of it (`pydisc.reset()`, tests) and a reader finds it in one place:
+all of it (tests, `clear_plans`, the exit handler) and a reader finds it in one place:
 
 - `plans`, `seen_ops`, `sightings`: the plan cache by a step's structural key (step.py);
 - `dynamic`: the dynamic-shape templates and flagged dims (dynamic.py);

@@ -1,4 +1,4 @@
-"""Measured speed choices (`plan.CompiledCluster.measure`), kept next to the compiled executables in
+"""Measured speed choices (`clusters.CompiledCluster.measure`), kept next to the compiled executables in
 the disk cache (`speed_choices.json`): a later process running the same cluster text at the same sizes,
 on the same kind of device with the same toolchain, takes the choice without timing it again.
 

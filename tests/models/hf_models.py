@@ -123,6 +123,10 @@ class Run:
     step_seconds: list = field(default_factory=list)     # pydisc: each step, recording to mark_step
     eager_seconds: list = field(default_factory=list)
     compiled_steps: list = field(default_factory=list)   # per pydisc step: did a compiled cluster run
+    # with `read_in_step`: per step, (the loss, the gradient norm clip_grad_norm_ returned) read
+    # between backward() and mark_step()
+    eager_reads: list = field(default_factory=list)
+    lazy_reads: list = field(default_factory=list)
 
     @property
     def compiled_share(self) -> float:
@@ -131,10 +135,11 @@ class Run:
 
 def train_side_by_side(name: str, steps: int = 5, lengths: list[int] | None = None, attn: str = "sdpa",
                        batch: int = 2, optimizer: Callable = adamw, device: str = "cpu",
-                       autocast: torch.dtype | None = None) -> Run:
+                       autocast: torch.dtype | None = None, read_in_step: bool = False) -> Run:
     """Train MODELS[name] eagerly and under pydisc from the same weights on the same batches (one
     length per step: `lengths`, default 12 throughout), both on `device`, the forward under
-    `torch.autocast(device, autocast)` if given."""
+    `torch.autocast(device, autocast)` if given; with `read_in_step`, as training scripts log: the loss
+    read and the gradients clipped (`clip_grad_norm_`, its norm read) between backward() and the step."""
     lengths = lengths or [12] * steps
     torch.manual_seed(0)
     eager = MODELS[name](attn).train().to(device)
@@ -146,14 +151,17 @@ def train_side_by_side(name: str, steps: int = 5, lengths: list[int] | None = No
     for step, length in enumerate(lengths):
         inputs = lm_batch(g, batch, length, "gpt2" if name == "gpt2_dropout" else name)
         inputs = {k: v.to(device) for k, v in inputs.items()}
-        for model, opt, losses, seconds in ((eager, opt_e, run.eager_losses, run.eager_seconds),
-                                            (lazy, opt_l, run.lazy_losses, run.step_seconds)):
+        for model, opt, losses, seconds, reads in (
+                (eager, opt_e, run.eager_losses, run.eager_seconds, run.eager_reads),
+                (lazy, opt_l, run.lazy_losses, run.step_seconds, run.lazy_reads)):
             torch.manual_seed(1000 + step)      # the same dropout masks on both sides
             executions = pydisc.metrics()["executions"]
             started = time.perf_counter()
             with torch.autocast(device, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
                 loss = model(**inputs).loss
             loss.backward()
+            if read_in_step:
+                reads.append((loss.item(), float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))))
             opt.step()
             opt.zero_grad()
             if model is lazy:
@@ -167,6 +175,7 @@ def train_side_by_side(name: str, steps: int = 5, lengths: list[int] | None = No
 
 def assert_trains_like_eager(run: Run, rtol: float = 1e-4, atol: float = 1e-4) -> None:
     torch.testing.assert_close(torch.tensor(run.lazy_losses), torch.tensor(run.eager_losses), rtol=rtol, atol=atol)
+    torch.testing.assert_close(torch.tensor(run.lazy_reads), torch.tensor(run.eager_reads), rtol=rtol, atol=atol)
     lazy = dict(run.lazy_model.named_parameters())
     for name, p in run.eager_model.named_parameters():
         torch.testing.assert_close(lazy[name].detach().cpu(), p.detach().cpu(), rtol=rtol, atol=atol,

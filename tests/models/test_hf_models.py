@@ -39,6 +39,21 @@ def test_hf_model_trains_like_eager_compiled(name: str, attn: str, compile_on_se
     assert m["executions"] >= 3 and m["compile_failures"] == {}
 
 
+@pytest.mark.parametrize("fast", [True, pytest.param(False, marks=pytest.mark.long)], ids=["fast", "dispatch"])
+def test_hf_model_logged_and_clipped_inside_the_step_trains_like_eager(fast: bool, compile_on_second_sighting,
+                                                                      fresh_plans, monkeypatch) -> None:
+    """The loss read and the gradients clipped between backward() and the optimizer step, before
+    mark_step(), as training scripts do, with the default PYDISC_COMPILE_AFTER: the values read and the
+    training are eager's. (On the fast recorder the first run of a new step graph raised at the read.)"""
+    from pydisc.frontend.segment import FAST
+
+    monkeypatch.setattr(FAST, "default", "all" if fast else "off")
+    run = hf_models.train_side_by_side("gpt2", steps=4, read_in_step=True)
+    assert len(run.lazy_reads) == 4
+    hf_models.assert_trains_like_eager(run)
+    assert run.metrics["compile_failures"] == {}
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("name,attn", CASES, ids=["%s-%s" % c for c in CASES])
 def test_hf_model_trains_like_eager_compiled_on_cuda(name: str, attn: str, compile_on_second_sighting) -> None:
