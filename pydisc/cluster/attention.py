@@ -3,11 +3,11 @@
 A model that writes attention out (`softmax(q @ k^T * scale, masked) @ v`) makes every step materialise
 the [batch, heads, t, t] scores, their softmax and both their gradients. In GPT-2 small at batch 16 and
 seq 1024, each of these is 201M elements, written and read several times per layer: most of the GPU
-time that separates eager PyTorch (144 ms per step on an H200) from torch.compile (57 ms), which
-rewrites the pattern into flash attention. On CUDA, `fuse_attention` rewrites the functional graph
+time that separates eager PyTorch from torch.compile, which rewrites the pattern into flash attention
+(bench/README.md). On CUDA, `fuse_attention` rewrites the functional graph
 before partitioning: each such attention in bf16 or fp16, and its gradient where the step has one,
 becomes one call of torch's flash attention (memory-efficient attention where there is a mask) and one
-of its backward, run by torch like the matmuls (partition.LIBRARY_OPS). Nothing of size t x t is left.
+of its backward, run by torch like the matmuls (policy.LIBRARY_OPS). Nothing of size t x t is left.
 
 What is matched, in the ops autograd records for `q @ k.transpose(-2, -1)` and its gradient:
 
@@ -37,11 +37,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import CONFIG
-from ..frontend.decompositions import library_ops_in_torch
-from . import attention_ops
+from ..frontend import attention_ops
+from ..frontend.policy import library_ops_in_torch
 from .fx_edit import new_node, refresh_val
 
-__all__ = ["ATTENTION_OPS", "fuse_attention", "fuses_attention"]
+__all__ = ["fuse_attention", "fuses_attention"]
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -56,10 +56,9 @@ _FREE = {prims.broadcast_in_dim.default, aten.expand.default, aten.permute.defau
          aten.scalar_tensor.default}
 
 
-# the kernels this pass calls: run by torch between the clusters (partition.LIBRARY_OPS)
+# the kernels this pass calls: run by torch between the clusters (policy.ATTENTION_OPS)
 ATTENTION = attention_ops.attention._opoverload
 ATTENTION_BACKWARD = attention_ops.attention_backward._opoverload
-ATTENTION_OPS = {ATTENTION, ATTENTION_BACKWARD}
 
 
 def fuses_attention(device: torch.device) -> bool:

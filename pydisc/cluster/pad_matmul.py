@@ -1,6 +1,6 @@
 """Zero-padding of matmuls whose sizes are not aligned for cuBLAS, as TorchInductor's pad_mm does.
 
-On CUDA the matmuls run in cuBLAS through torch (`partition.LIBRARY_OPS`). A leading dimension that is
+On CUDA the matmuls run in cuBLAS through torch (`policy.LIBRARY_OPS`). A leading dimension that is
 not a multiple of 16 bytes sends cuBLAS to its unvectorized kernels: the three GEMMs of GPT-2's
 language-model head (vocabulary 50257, M=16384, bf16) ran as `..._align1` kernels at 8-13 ms each
 (~120 TFLOP/s) on an H200, against ~2 ms aligned. `pad_unaligned_matmuls` rewrites the functional graph
@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from ..frontend.decompositions import library_ops_in_torch
+from ..frontend.policy import library_ops_in_torch
 from .fx_edit import new_node
 
 __all__ = ["MIN_MULTIPLY_ADDS", "pad_unaligned_matmuls", "pads_matmuls"]

@@ -28,10 +28,9 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner, Partit
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 from torch.fx.passes.operator_support import OperatorSupportBase
 
-from ..frontend.decompositions import library_ops_in_torch
 from ..frontend.lowering.indexing import one_per_row
 from ..frontend.lowering.symbolic import size_of
-from .attention import ATTENTION_OPS
+from ..frontend.policy import CUDA_ATTENTION, FREE_OPS, LIBRARY_OPS, SLOW_ON_GPU, library_ops_in_torch
 
 __all__ = ["FX_PARTITIONER_MAX_NODES", "MAX_CLUSTER_NODES", "Partition", "add_torch_mlir_regions", "is_host_scalar",
            "partition_graph", "partition_regions"]
@@ -45,55 +44,7 @@ MAX_CLUSTER_NODES = 2000
 
 aten = torch.ops.aten
 prims = torch.ops.prims
-# Ops that move no data: a cluster made only of these is not worth an executable call.
-_FREE_OPS = {operator.getitem, aten.view.default, aten._unsafe_view.default, aten.reshape.default,
-             aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default,
-             aten.alias.default, aten.detach.default, aten.expand.default, aten.permute.default,
-             aten.t.default, aten.transpose.int, aten.select.int, aten.slice.Tensor}
-
-
 _TRANSPOSES = {aten.permute.default, aten.transpose.int, aten.t.default}
-
-# Ops that torch's libraries run several times faster than IREE's CUDA code (cuBLAS matmuls at
-# 715-794 TFLOP/s against IREE's 104-137 in bf16, measured on an H200): on a GPU they stay
-# between the clusters, which fuse the memory-bound ops around them.
-# Softmax and log-softmax and their gradients: torch's fused CUDA kernels read each row once, where
-# IREE's code for the decomposition (max, exp and sum, normalise) ran far slower on the H200: GPT-2's
-# cross-entropy over a 50257-word vocabulary took 27 ms per step against 6.3 ms in torch, the
-# attention softmax 0.86 ms against 0.42 ms. frontend.decompositions keeps them whole on a GPU.
-SOFTMAXES = {aten._softmax.default, aten._log_softmax.default, aten._softmax_backward_data.default,
-             aten._log_softmax_backward_data.default}
-# F.scaled_dot_product_attention's CPU kernel: decomposed into matmuls and a softmax where those are
-# compiled (frontend/sdpa.py), torch's fused kernel where they run in torch.
-CPU_ATTENTION = {aten._scaled_dot_product_flash_attention_for_cpu.default,
-                 aten._scaled_dot_product_flash_attention_for_cpu_backward.default}
-LIBRARY_OPS = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default,
-               aten.convolution.default, aten.convolution_backward.default} | SOFTMAXES | ATTENTION_OPS | \
-    CPU_ATTENTION
-# Its CUDA kernels (flash, memory-efficient, cuDNN attention and their backwards): no decomposition,
-# torch runs them between the clusters on a GPU whatever PYDISC_GPU_MATMUL says.
-CUDA_ATTENTION = {getattr(aten, name).default for name in (
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
-    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
-    "_flash_attention_forward", "_flash_attention_backward", "_efficient_attention_forward",
-    "_efficient_attention_backward") if hasattr(aten, name)}
-
-
-# Ops that IREE 3.13 lowers to a scatter whose coordinates may repeat: its GPU code runs such a scatter
-# on one thread (workgroup size [1, 1, 1]); the embedding gradient of a BERT-base step took 1 s in IREE
-# against 4 ms in torch on the H200. On a GPU they run in torch, unless `_parallel_scatter` says the
-# lowering is a parallel one-hot select (one element per row: nll_loss's backward).
-SERIAL_SCATTERS = {aten.index_put.default, aten.scatter.src, aten.scatter.value, aten.scatter_add.default,
-                   aten.scatter_reduce.two, aten.max_pool2d_with_indices_backward.default}
-# Max pooling with indices (a variadic reduce_window): every cluster that held it lost to its ops run
-# eagerly on the H200 (small CNN 140 vs 89 us, ResNet-18's stem 13.1 vs 3.4 ms), taking the ops
-# fused with it along; in torch (cuDNN) on a GPU.
-# A concatenation: IREE 3.13 copies each piece with a dispatch of its own (`slow_memcpy`, not
-# vectorized): GPT-2's attention gradients (q, k, v into one tensor) took 6 dispatches of 120 us per
-# layer on the H200, against one 145 us kernel in torch.
-SLOW_ON_GPU = SERIAL_SCATTERS | {aten.max_pool2d_with_indices.default, aten.cat.default}
-
 
 def _parallel_scatter(node: torch.fx.Node) -> bool:
     """Whether the lowering emits this scatter as a one-hot select (`lowering.indexing.one_per_row`)."""
@@ -249,7 +200,7 @@ def _propose(gm: torch.fx.GraphModule, support: _Support, min_ops: int, max_ops:
         proposed = CapabilityBasedPartitioner(gm, support, allows_single_node_partition=True).propose_partitions()
     kept = []
     for p in proposed:
-        compute = [n for n in p.nodes if n.target not in _FREE_OPS and not is_host_scalar(n)]
+        compute = [n for n in p.nodes if n.target not in FREE_OPS and not is_host_scalar(n)]
         if len(compute) >= max(min_ops, 1):
             kept.append(p)
     if max_ops:
@@ -297,7 +248,7 @@ def _eager(gm: torch.fx.GraphModule) -> list[str]:
 
 # Ops that only move or reinterpret data: a chain of them from a tensor that torch holds is free in
 # torch, but a cluster that computes one as an output writes a copy.
-_MOVES = _FREE_OPS - {aten.detach.default, operator.getitem} | {
+_MOVES = FREE_OPS - {aten.detach.default, operator.getitem} | {
     aten.split_with_sizes.default, aten.split.Tensor, aten.as_strided.default, prims.broadcast_in_dim.default}
 # what a duplicate runs: a reshape is a view where the layout allows, a copy (never an error) otherwise
 _IN_TORCH = {aten.view.default: aten.reshape.default, aten._unsafe_view.default: aten.reshape.default}

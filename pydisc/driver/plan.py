@@ -18,7 +18,7 @@ import torch
 from .. import cluster, files
 from .. import exec as executor
 from ..cluster import add_torch_mlir_regions, is_host_scalar, partition_graph, partition_regions
-from ..cluster.attention_ops import align_attention_biases
+from ..frontend.attention_ops import align_attention_biases
 from ..cluster.value_checks import guard_values
 from ..config import CONFIG, applies
 from ..diagnostics import log, warn_once

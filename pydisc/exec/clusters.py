@@ -181,8 +181,8 @@ class CompiledRegion(CompiledCluster):
     """A region of the torch-mlir route (pydisc/frontend/torch_mlir.py): the same calling convention, static
     shapes; its runs are counted apart (`executions_torch_mlir`), so a caller can tell the routes.
 
-    torch-mlir's lowerings are not pydisc's own: some compute wrong values (`_WRONG_VALUES` there lists
-    those found), and IREE 3.13 writes the result of a torch-mlir scatter into the scatter's input
+    torch-mlir's lowerings are not pydisc's own: some compute wrong values (`policy.TORCH_MLIR_WRONG_VALUES`
+    lists those found), and IREE 3.13 writes the result of a torch-mlir scatter into the scatter's input
     buffer. So the first call keeps a copy of the inputs, checks that none was written (restoring it if
     one was) and runs the region eagerly to compare: a region that fails either check is demoted for
     good (`demote` moves its ops to the plan's eager ledger), warned and counted, and eager's values

@@ -18,8 +18,8 @@ from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..config import CONFIG
 from ..diagnostics import log
+from .policy import KEPT_WHOLE, library_ops_in_torch
 from .sdpa import SDPA_DECOMPOSITIONS
 
 __all__ = ["DECOMPOSITIONS", "conforming", "decompositions_for"]
@@ -413,26 +413,10 @@ def _build() -> dict[OpOverload, Callable]:
 
 DECOMPOSITIONS: dict[OpOverload, Callable] = _build()
 
-# On a GPU the matmuls, softmaxes and their gradients run in torch (cluster.partition.LIBRARY_OPS), so
-# they stay whole: torch's decompositions of addmm and baddbmm compute in float32
-# (`pw_cast_for_opmath`), which turned the bf16 linear layers of a GPT-2 step into fp32 SIMT GEMMs
-# (57 ms of a 145 ms step on the H200), while cuBLAS runs them in bf16 with the bias added in its
-# epilogue, as eager does; a softmax left whole runs as torch's fused kernel.
-_KEPT_WHOLE = (aten.addmm, aten.baddbmm, aten._softmax, aten._log_softmax, aten._softmax_backward_data,
-               aten._log_softmax_backward_data, aten._scaled_dot_product_flash_attention_for_cpu,
-               aten._scaled_dot_product_flash_attention_for_cpu_backward)
+# Where the library ops run in torch (policy.library_ops_in_torch), the ops of policy.KEPT_WHOLE reach
+# them whole.
 _LIBRARY_TABLE: dict[OpOverload, Callable] = {
-    op: fn for op, fn in DECOMPOSITIONS.items() if op._overloadpacket not in _KEPT_WHOLE}
-
-
-def library_ops_in_torch(device: torch.device) -> bool:
-    """Whether matmuls, convolutions and softmaxes of a step on `device` run in torch's libraries
-    between the clusters (cluster.partition.LIBRARY_OPS): on a GPU, unless PYDISC_GPU_MATMUL=iree; on the
-    CPU with PYDISC_CPU_MATMUL=torch. The one test of that policy: the partition, this table and the
-    attention rewrite all follow it."""
-    if device.type == "cuda":
-        return CONFIG.gpu_matmul != "iree"
-    return device.type == "cpu" and CONFIG.cpu_matmul == "torch"
+    op: fn for op, fn in DECOMPOSITIONS.items() if op._overloadpacket not in KEPT_WHOLE}
 
 
 def decompositions_for(device: torch.device) -> dict[OpOverload, Callable]:

@@ -27,7 +27,8 @@ from .. import metrics as _metrics
 from ..config import CONFIG
 from .layout import flat_base
 from .meta_keys import KWARGS, Recipe, constant_part, key_part, symbolic_args
-from .op_facts import OPINFOS, READ_OPS, OpInfo, arg, opinfo
+from .op_facts import OPINFOS, OpInfo, arg, opinfo
+from .policy import READ_OPS
 from .source import user_source
 from .symbolic import SymArg, SymbolicStep, hint
 from .symbolic_inputs import SymbolicInputs

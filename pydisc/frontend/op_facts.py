@@ -1,6 +1,6 @@
 """What the recorder knows about an ATen op, worked out once from its schema: `OpInfo` (its writes,
 views and returns, whether it needs data and runs eagerly, its rewrite, whether any rule or
-decomposition covers it), the rewrite registry, and the ops read on the host."""
+decomposition covers it) and the rewrite registry; which ops run eagerly is policy.py's."""
 from __future__ import annotations
 
 from typing import Callable
@@ -9,8 +9,9 @@ import torch
 
 from .decompositions import DECOMPOSITIONS
 from .lowering.registry import LOWERINGS
+from .policy import EAGER_OPS
 
-__all__ = ["EAGER_OPS", "OpInfo", "READ_OPS", "REWRITES", "arg", "opinfo"]
+__all__ = ["OpInfo", "REWRITES", "arg", "opinfo"]
 
 aten = torch.ops.aten
 
@@ -69,13 +70,6 @@ class OpInfo:
 
 
 _TENSOR_RETURN_TYPES = {"Tensor", "List[Tensor]", "Tensor[]", "Optional[Tensor]", "Tensor?"}
-# Ops that read data on the host, move data between devices, or change a tensor's metadata in place.
-EAGER_OPS = {
-    aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default, aten.allclose.default,
-    aten.nonzero.default, aten._unique2.default, aten.masked_select.default,
-    aten.view.dtype, aten.set_.source_Storage_storage_offset, aten.set_.source_Tensor,
-    aten.resize_.default, aten.as_strided_.default, aten._has_compatible_shallow_copy_type.default,
-}
 OPINFOS: dict[int, OpInfo] = {}    # id(OpOverload) -> facts; overloads live as long as the process
 
 
@@ -90,6 +84,3 @@ def arg(args, kwargs, index: int, name: str):
     return args[index] if index < len(args) else kwargs.get(name)
 
 
-# Ops that read on the host: run eagerly and not counted as fallbacks.
-READ_OPS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default,
-             aten.allclose.default}

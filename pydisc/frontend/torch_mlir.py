@@ -26,6 +26,7 @@ import torch
 
 from pydisc.frontend.lowering.registry import LoweringError, spec_of
 from pydisc.frontend.lowering.values import TensorSpec
+from pydisc.frontend.policy import TORCH_MLIR_WRONG_VALUES
 
 __all__ = ["ImportedRegion", "import_region", "importer_available", "note_rejection", "op_key", "torch_mlir_reason"]
 
@@ -42,15 +43,6 @@ _EXCLUDED_TAGS = {
 }
 
 aten = torch.ops.aten
-# Ops that torch-mlir imports and IREE compiles, but to wrong values (found by the OpInfo sweep,
-# tests/opinfo: embedding_bag's results are all off; scatter_reduce sums duplicate indices wrongly with
-# include_self=True), or whose compiled code writes into an input buffer: IREE 3.13 scatters
-# torch-mlir's scatters in place into the tensor scattered into, which is the caller's input.
-# `CompiledRegion` checks both on a region's first call; these are known in advance.
-_WRONG_VALUES = {aten._embedding_bag.default, aten._embedding_bag_forward_only.default,
-                 aten.scatter_reduce.two, aten.scatter.src, aten.scatter.value, aten.scatter.reduce,
-                 aten.scatter.value_reduce, aten.scatter_add.default, aten.index_put.default,
-                 aten._unsafe_index_put.default}
 
 # Ops ("aten.name") that torch-mlir has no definition of, or IREE's torch input conversion no lowering
 # for, learned from failed regions (`note_rejection`): later regions leave them out, so that one such
@@ -174,7 +166,7 @@ def torch_mlir_reason(node: torch.fx.Node) -> str | None:
             return reason
     if op._schema.is_mutable:
         return "mutates an argument"
-    if op in _WRONG_VALUES:
+    if op in TORCH_MLIR_WRONG_VALUES:
         return "torch-mlir's code for it is wrong (values, or writes its input)"
     if _REJECTED and op_key(op) in _REJECTED:
         return "torch-mlir or IREE rejected it in an earlier region"

@@ -20,7 +20,7 @@ import pydisc
 import pydisc.cluster
 from pydisc.driver import step as pstep
 from pydisc.cluster import attention as A
-from pydisc.cluster import attention_ops
+from pydisc.frontend import attention_ops
 from pydisc.frontend.decompositions import _LIBRARY_TABLE
 
 from test_eager_views import _library_policy

@@ -8,17 +8,15 @@ from pathlib import Path
 import pydisc
 from pydisc.driver import step as pstep
 from pydisc.cluster import partition as P
+from pydisc.config import CONFIG
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "models"))
 
 
 def _library_policy(monkeypatch):
     """What the CUDA target does with convolutions and matmuls (and the transposes only they read;
-    addmm and baddbmm kept whole), applied on the CPU."""
-    from pydisc.frontend import decompositions as D
-    monkeypatch.setattr(P._Support, "library", lambda self, node: node.op == "call_function"
-                        and node.target in P.LIBRARY_OPS)
-    monkeypatch.setattr(D, "decompositions_for", lambda device: D._LIBRARY_TABLE)
+    addmm and baddbmm kept whole), applied on the CPU: PYDISC_CPU_MATMUL=torch."""
+    monkeypatch.setattr(CONFIG, "cpu_matmul", "torch")
 
 
 def test_view_feeding_only_library_ops_is_not_a_fallback(monkeypatch):

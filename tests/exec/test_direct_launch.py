@@ -42,7 +42,7 @@ CASES = {
     "broadcast": (lambda x, r, c: x + r * c, lambda n: (torch.randn(n, 40), torch.randn(40), torch.randn(n, 1)),
                   {0: [0], 2: [0]}),
     "reductions": (lambda x: (x.sum(0), x.amax(1), x.mean()), lambda n: (torch.randn(n, 50),), {0: [0]}),
-    # written out: F.softmax itself runs in torch on a GPU (cluster.partition.SOFTMAXES)
+    # written out: F.softmax itself runs in torch on a GPU (frontend/policy.py, SOFTMAXES)
     "softmax": (lambda x: (e := (x - x.amax(-1, keepdim=True)).exp()) / e.sum(-1, keepdim=True),
                 lambda n: (torch.randn(6, n),), {0: [1]}),
     "layernorm_gelu": (lambda x, w, b: F.gelu(F.layer_norm(x, (64,), w, b)),

@@ -184,7 +184,7 @@ def test_region_that_writes_its_input_is_demoted_and_the_input_restored(monkeypa
     # IREE 3.13 runs torch-mlir's scatter in place in the scattered-into input: with the op off the
     # deny list, the first call's checks catch it, restore the input and demote the region
     hide(monkeypatch, aten.scatter_reduce.two)
-    monkeypatch.setattr(torch_mlir, "_WRONG_VALUES", set())
+    monkeypatch.setattr(torch_mlir, "TORCH_MLIR_WRONG_VALUES", frozenset())
     g = torch.Generator().manual_seed(0)
     base, src = torch.randn(5, 5, generator=g), torch.randn(5, 5, generator=g)
     index = torch.zeros(5, 5, dtype=torch.int64)       # every row hits row 0
