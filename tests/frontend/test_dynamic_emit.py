@@ -397,7 +397,9 @@ def test_size_no_tensor_carries_is_an_index_argument(compiles: list[str]) -> Non
         filled.meta["val"] = torch.full((n, 4), 2.0)
     graph.output([filled])
     gm = torch.fx.GraphModule(torch.nn.Module(), graph)
-    assert "index" in emit_cluster(gm).text
+    text = emit_cluster(gm).text
+    assert "@main(%arg0: tensor<?x4xf32>, %arg1: index," in text   # n, after the tensor's own argument
+    assert "tensor.from_elements %arg1, " in text                   # the rows of the filled result
     plan = plan_graph(gm, CPU, [], 0)
     assert plan.clusters == 1 and not plan.eager_ops
     for rows in (6, 3, 11):
@@ -464,7 +466,9 @@ def test_output_sizing_costs_microseconds(compiles: list[str]) -> None:
     assert prepare is not None and "sympy" not in prepare.source
     seen: list = []
     compiled.prepare = lambda inputs: seen.append(inputs) or prepare(inputs)  # type: ignore[method-assign]
-    plan.runner(torch.randn(7, 8), *args[1:])
+    x = torch.randn(7, 8)
+    for got, want in zip(_flat(plan.runner(x, *args[1:])), fn(x, *args[1:]), strict=True):
+        torch.testing.assert_close(got, want)
     (inputs,) = seen
     _, outs, _ = prepare(inputs)
     assert [tuple(o.shape) for o in outs] == [(7, 4), (7,), (28,)]
