@@ -12,6 +12,7 @@ fastest step instead, the better figure on a machine shared with other jobs (the
 time). The eager and pydisc steps alternate, so the record/eager ratio sees the same load.
 
     python bench/record_overhead.py [--repeats 50] [--stat median|min] [--fast both|on|off]
+        [--models mlp,block,gpt-char,bert-mlm,hf-gpt2]
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# Lets `python bench/record_overhead.py` run from a checkout without installing pydisc.
+# Lets `python bench/record_overhead.py` run from a checkout without installing pydisc (and import examples/).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # Recording is what is timed: the measured step choice would switch these small CPU steps to eager.
 os.environ.setdefault("PYDISC_STEP_CHOICE", "off")
@@ -67,15 +68,49 @@ class Block(nn.Module):
         return self.head(x.mean(dim=1))
 
 
+def _cross_entropy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    out = model(x)
+    return F.cross_entropy(out.flatten(0, -2) if out.dim() > 2 else out, y.flatten())
+
+
+def _hf_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=x, labels=y).loss
+
+
+def _gpt_char() -> nn.Module:
+    from examples.gpt_char import GPT
+    return GPT(vocab=65, context=32, dim=64, heads=4, layers=2)
+
+
+def _bert_mlm() -> nn.Module:
+    from examples.bert_mlm import BertMLM
+    return BertMLM(vocab=96, max_len=32, dim=64, heads=4, layers=2, dropout=0.0)
+
+
+def _hf_gpt2() -> nn.Module:
+    import transformers
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.GPT2Config(vocab_size=96, n_positions=64, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=1)
+    return transformers.GPT2LMHeadModel(cfg)      # default attention (sdpa)
+
+
 @dataclass
 class Workload:
     name: str
     make_model: Callable[[], nn.Module]
     input_shape: tuple[int, ...]
+    vocab: int = 0                 # token inputs in [0, vocab) (labels alike), else float inputs, 10 classes
+    loss: Callable = _cross_entropy
 
 
-WORKLOADS = [Workload("mlp 64-256-256-10, batch 64", MLP, (64, 64)),
-             Workload("transformer block d64 h4, 8x32 tokens", Block, (8, 32, 64))]
+WORKLOADS = {"mlp": Workload("mlp 64-256-256-10, batch 64", MLP, (64, 64)),
+             "block": Workload("transformer block d64 h4, 8x32 tokens", Block, (8, 32, 64)),
+             "gpt-char": Workload("examples/gpt_char.py GPT d64 2 layers, 8x32 tokens", _gpt_char, (8, 32), 65),
+             "bert-mlm": Workload("examples/bert_mlm.py BERT d64 2 layers, 8x32 tokens", _bert_mlm, (8, 32), 96),
+             "hf-gpt2": Workload("HF GPT-2 (tiny config, sdpa) d32 2 layers, 4x16 tokens", _hf_gpt2, (4, 16), 96,
+                                 _hf_loss)}
+DEFAULT_MODELS = ("mlp", "block")
 
 
 class CountOps(TorchDispatchMode):
@@ -88,9 +123,10 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> None:
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+               loss: Callable = _cross_entropy) -> None:
     opt.zero_grad()
-    F.cross_entropy(model(x), y).backward()
+    loss(model, x, y).backward()
     opt.step()
 
 
@@ -114,28 +150,33 @@ def measure(workload: Workload, repeats: int, warmup: int, stat: Callable[[list[
     lazy = pydisc.lazy(copy.deepcopy(eager), fast_record=fast_record)
     make_opt = lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9)  # noqa: E731
     eager_opt, lazy_opt = make_opt(eager.parameters()), make_opt(lazy.parameters())
-    x = torch.randn(workload.input_shape)
-    y = torch.randint(0, 10, (workload.input_shape[0],))
+    if workload.vocab:
+        x = torch.randint(0, workload.vocab, workload.input_shape)
+        y = torch.randint(0, workload.vocab, workload.input_shape)
+    else:
+        x = torch.randn(workload.input_shape)
+        y = torch.randint(0, 10, (workload.input_shape[0],))
+    step = lambda model, opt: train_step(model, opt, x, y, workload.loss)  # noqa: E731
 
     for _ in range(warmup):   # momentum buffers appear in step 1: the ops change once, then stay
-        train_step(eager, eager_opt, x, y)
-        train_step(lazy, lazy_opt, x, y)
+        step(eager, eager_opt)
+        step(lazy, lazy_opt)
         pydisc.mark_step()
     run_s = _time_runners()
     counter = CountOps()
     with counter:
-        train_step(eager, eager_opt, x, y)
+        step(eager, eager_opt)
 
     eager_s, record_s, mark_s, recorded = [], [], [], []
     for _ in range(repeats):
         started = time.perf_counter()
-        train_step(eager, eager_opt, x, y)
+        step(eager, eager_opt)
         eager_s.append(time.perf_counter() - started)
 
         m = pydisc.metrics()
         ops_before = m["recorded_ops"] + m["fast_entries"]
         started = time.perf_counter()
-        train_step(lazy, lazy_opt, x, y)
+        step(lazy, lazy_opt)
         recorded_at = time.perf_counter()
         pydisc.mark_step()
         mark_s.append(time.perf_counter() - recorded_at)
@@ -178,6 +219,8 @@ def _time_runners() -> list[float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                   help="comma-separated, of: %s (default: %s)" % (", ".join(WORKLOADS), ",".join(DEFAULT_MODELS)))
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads for eager (default 1: recording is single-threaded, and "
@@ -191,7 +234,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     stat = statistics.median if args.stat == "median" else min
     paths = {"both": (False, True), "on": (True,), "off": (False,)}[args.fast]
-    results = [measure(w, args.repeats, args.warmup, stat, path) for w in WORKLOADS for path in paths]
+    workloads = [WORKLOADS[name] for name in args.models.split(",")]
+    results = [measure(w, args.repeats, args.warmup, stat, path) for w in workloads for path in paths]
     print("torch %s, %d thread(s), %s of %d steps after %d warm-up steps"
           % (torch.__version__, torch.get_num_threads(), args.stat, args.repeats, args.warmup))
     print()
