@@ -75,8 +75,9 @@ def arm(module_choice: bool | None = None, device: torch.device | None = None) -
         module_choice = device is not None and applies(FAST.default, device)
     if not module_choice:
         return
-    if not installed():
+    if not FAST.installed:
         install(default=False)
+    _handler_on()
     if FAST.segment is None and _grad_enabled():
         FAST.armed = True
         FAST.owner = threading.get_ident()
@@ -166,6 +167,7 @@ def flush() -> None:
             except Demote as exc:
                 seg.demote(str(exc))
     FAST.demoted = FAST.armed = False
+    park()
 
 
 def _default(func, args, kwargs):
@@ -242,6 +244,7 @@ def _backward(seg: Segment, func, args, kwargs):
     if not seg.rg[loss._fid] or any(s != 1 for s in size):
         raise Demote("backward of a value eager refuses")
     seg.close(loss)
+    park()
     return None
 
 
@@ -276,7 +279,31 @@ def _apply(cls, *args, **kwargs):
 
 
 def installed() -> bool:
-    return LazyTensor.__dict__.get("__torch_function__") is _INSTALLED
+    return FAST.installed
+
+
+def _handler_on() -> None:
+    if LazyTensor.__dict__.get("__torch_function__") is not _INSTALLED:
+        LazyTensor.__torch_function__ = _INSTALLED
+
+
+def park() -> None:
+    """Take the handler off the class until the next lazy forward (`arm`), where nothing needs it: no
+    segment open or armed, no value of a demoted segment around. Every call and attribute read on a lazy
+    tensor passes through a Python `__torch_function__` (~2 us, against ~0.2 us without one), and
+    between forwards there are many: the optimizer's and `zero_grad`'s reads and writes of `.grad`,
+    `mark_step`'s binding. The calls that follow go to the dispatcher as they would with fast recording
+    off; a forward without grad turns the handler on too (`inference`), until the next `mark_step`."""
+    if FAST.installed and FAST.segment is None and not FAST.armed and not FAST.redirected and \
+            LazyTensor.__dict__.get("__torch_function__") is _INSTALLED:
+        _restore_class_handler()
+
+
+def _restore_class_handler() -> None:
+    if inference._DISABLED is None:
+        del LazyTensor.__torch_function__
+    else:
+        LazyTensor.__torch_function__ = inference._DISABLED
 
 
 def install(default: bool = True) -> None:
@@ -285,9 +312,10 @@ def install(default: bool = True) -> None:
     if default:
         FAST.default = "all"
     FAST.refused = None
+    FAST.installed = True
     LazyTensor.__torch_function__ = _INSTALLED
     torch.autograd.Function.apply = classmethod(_apply)
-    inference.pin(True)
+    inference.pin(_handler_on)
     RECORDER.fast_read = read
 
 
@@ -295,9 +323,8 @@ def uninstall() -> None:
     """Every op through the dispatcher again (a step in progress is ended first by `flush`)."""
     flush()
     FAST.default = "off"
-    if inference._DISABLED is None:
-        del LazyTensor.__torch_function__
-    else:
-        LazyTensor.__torch_function__ = inference._DISABLED
+    FAST.installed = False
+    if LazyTensor.__dict__.get("__torch_function__") is _INSTALLED:
+        _restore_class_handler()
     torch.autograd.Function.apply = _ORIGINAL_APPLY
-    inference.pin(False)
+    inference.pin(None)

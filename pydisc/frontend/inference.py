@@ -54,14 +54,15 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
 _INSTALLED = classmethod(_torch_function)
 
 
-_PINNED = False
+_PINNED = None     # while the fast recorder owns `__torch_function__`: how to put its handler on the class
 
 
-def pin(pinned: bool) -> None:
-    """The fast recorder (frontend/fast.py) owns `__torch_function__` (while `pinned`) and calls this
-    module's handler itself for forwards without grad."""
+def pin(handler_on) -> None:
+    """The fast recorder (frontend/fast.py) owns `__torch_function__` while `handler_on` is given (a function
+    that puts its handler on the class) and calls this module's handler itself for forwards without
+    grad; None gives it back."""
     global _PINNED
-    _PINNED = pinned
+    _PINNED = handler_on
 
 
 def installed() -> bool:
@@ -71,7 +72,9 @@ def installed() -> bool:
 def use_for_forward() -> None:
     """Install the composite-op recording for a forward that runs without grad, remove it for one
     with grad (called by the lazy module's input hook)."""
-    if _PINNED:
+    if _PINNED is not None:
+        if not _grad_enabled():
+            _PINNED()
         return
     want = not _grad_enabled()
     if want != installed():

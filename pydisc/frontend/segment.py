@@ -658,6 +658,8 @@ class _Fast:
         self.owner = 0              # ... on this thread (other threads' calls take the dispatcher's path)
         self.demoted = False
         self.redirected = False     # some segment was demoted: its fast values may still be around
+        self.installed = False      # fast recording is on (fast.install); its handler sits on the class only
+                                    # while a forward records, or for good once some segment was demoted
         self.gate = None            # a function saying whether segments may start (dynamic shapes)
         self.default = "off"        # devices whose lazy modules (with no `fast_record` of their own) record fast
         self.refused = None         # why no more segments start in this process (a fused step that failed)
