@@ -20,7 +20,7 @@ from torch.utils import _pytree as pytree
 
 from .. import metrics as _metrics
 from ..config import CONFIG
-from .fused import FV, XV, Demote, FusedStep, NoMeta, _amp, _fv, _slots, _xv
+from .fused import _FVS, FV, XV, Demote, FusedStep, NoMeta, _amp, _fv, _xv
 from .layout import contiguous_strides, layout_key
 from .lazy_tensor import RECORDER, LazyTensor, materialize
 from .meta_keys import constant_part
@@ -41,6 +41,9 @@ _RANDOM_WORDS = ("rand", "dropout", "bernoulli", "normal", "multinomial", "unifo
 
 
 _META_DEVICE = torch.device("meta")    # the segment's device, in a call's arguments
+# Arguments that are constants as they are (no tensor inside, not a device): torch.Size holds ints (or the
+# SymInts of a symbolic step, in which no segment starts).
+_PLAIN_CONSTANTS = frozenset({int, float, bool, torch.dtype, torch.Size, torch.memory_format, torch.layout})
 
 
 def _random(func) -> bool:
@@ -113,10 +116,12 @@ class Segment:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.device_type = device.type
         # (func, args, kwargs, out fids, grad enabled, result leaf of each out fid)
         self.entries: list[tuple] = []
         self.sig: list[tuple] = []
-        self.links: list[tuple] = []        # per entry: (argument slots its results' gradients reach, random)
+        # per entry: (argument slots its results' gradients reach, random, its FV/XV arguments in slot order)
+        self.links: list[tuple] = []
         self.metas: list[tuple] = []        # fid -> (size, stride, offset, dtype, nbytes)
         self.rg: list[bool] = []            # fid -> requires grad
         self.root: list[int] = []           # fid -> fid of the value whose storage it views (itself if fresh)
@@ -154,13 +159,16 @@ class Segment:
 
     def encode(self, a, sig: list, slots: list):
         t = type(a)
+        if t in _PLAIN_CONSTANTS or a is None:
+            sig.append(constant_part(a))     # (what the checks below would come to, without them)
+            return a
         if t is LazyTensor:
             fid = a._fid
             if fid is not None:
                 if a._fseg is not self:
                     raise Demote("a value of another segment")
                 sig.append(("f", fid))
-                v = _fv(fid)
+                v = _FVS[fid] if fid < len(_FVS) else _fv(fid)
             else:
                 v = self.external(a)
                 sig.append(("x", v.index))
@@ -171,7 +179,7 @@ class Segment:
                 sig.append((t, 0))
                 return a
             sig.append((t, len(a)))
-            return t(self.encode(x, sig, slots) for x in a)
+            return t([self.encode(x, sig, slots) for x in a])
         if isinstance(a, _Tensor):
             v = self.external(a)
             sig.append(("x", v.index))
@@ -227,10 +235,11 @@ class Segment:
 
     # ---- recording ------------------------------------------------------------------------------
     def record(self, func, args, kwargs):
-        amp = _amp(self.device.type)
+        amp = _amp(self.device_type)
         sig: list = [func, _grad_enabled(), amp]
         slots: list = []
-        enc_args = tuple(self.encode(a, sig, slots) for a in args)
+        encode = self.encode
+        enc_args = tuple([encode(a, sig, slots) for a in args])
         enc_kwargs = {}
         if kwargs:
             for k, v in kwargs.items():
@@ -308,7 +317,7 @@ class Segment:
             out_fids.append(v.fid)      # written in place and not returned: same value id, newer data
         self.entries.append((func, enc_args, enc_kwargs, tuple(out_fids), (sig[1], amp), tuple(out_leaves)))
         self.sig.append(tuple(sig))
-        self.links.append((recipe.connected, recipe.random))
+        self.links.append((recipe.connected, recipe.random, tuple(slots)))
         METRICS.fast_entries += 1
         if recipe.spec is None:
             return results[0]
@@ -411,7 +420,7 @@ class Segment:
                 if self.links[i][1]:
                     raise Demote("a value read before mark_step that depends on random numbers")
                 picked.append(entry)
-                for v in _slots((entry[1], entry[2])):
+                for v in self.links[i][2]:
                     if type(v) is FV:
                         needed.add(v.fid)
         inputs = [materialize(t).detach() if type(t) is LazyTensor else t for t in self.externals]
@@ -478,12 +487,18 @@ class Segment:
 
     def close(self, loss: LazyTensor | None) -> None:
         """Record the segment as one entry of the step's trace; `loss`: the value `backward()` was called on."""
-        if RECORDER.gc_paused:
+        alive = self.alive()
+        fids = tuple(o._fid for o in alive)
+        if RECORDER.gc_paused and fids != FAST.last_alive:
             # Values held only by reference cycles (frames of an exception caught in a forward) look alive
             # and would become outputs, and the next step's key would differ: collected first. The young
-            # generation holds everything this forward made, since the GC was paused.
+            # generation holds everything this forward made, since the GC was paused. Not when the same
+            # values are alive as at the last segment's end, after its collection: collecting could at
+            # most drop an output that segment had too (~0.1-0.2 ms of a tiny GPT-2's step).
             gc.collect(0)
-        alive = self.alive()
+            alive = self.alive()
+            fids = tuple(o._fid for o in alive)
+        FAST.last_alive = fids
         for o in alive:
             if o._fid in self.ext_alias:
                 raise Demote("a view of a parameter or input kept past the backward")
@@ -586,8 +601,8 @@ class Segment:
             func, args, kwargs, out_fids, _, _ = self.entries[i]
             if not any(f in needed and self.rg[f] for f in out_fids):
                 continue
-            connected = self.links[i][0]
-            for k, v in enumerate(_slots((args, kwargs))):
+            connected, _, slots = self.links[i]
+            for k, v in enumerate(slots):
                 if k not in connected:
                     continue
                 if type(v) is FV:
@@ -658,6 +673,7 @@ class _Fast:
         self.owner = 0              # ... on this thread (other threads' calls take the dispatcher's path)
         self.demoted = False
         self.redirected = False     # some segment was demoted: its fast values may still be around
+        self.last_alive = None      # the fast values alive at the last segment's end (`Segment.close`)
         self.installed = False      # fast recording is on (fast.install); its handler sits on the class only
                                     # while a forward records, or for good once some segment was demoted
         self.gate = None            # a function saying whether segments may start (dynamic shapes)
