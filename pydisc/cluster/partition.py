@@ -29,7 +29,7 @@ from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 from ..frontend.lowering.indexing import one_per_row
-from ..frontend.lowering.symbolic import size_of
+from ..frontend.lowering.size_exprs import size_of
 from ..frontend.policy import CUDA_ATTENTION, FREE_OPS, LIBRARY_OPS, SLOW_ON_GPU, library_ops_in_torch
 
 __all__ = ["FX_PARTITIONER_MAX_NODES", "MAX_CLUSTER_NODES", "Partition", "add_torch_mlir_regions", "is_host_scalar",

@@ -6,7 +6,7 @@ from __future__ import annotations
 from .compiler import clear_cache, compile_module
 from .disk_cache import CacheInfo, DiskCache, configured_disk_cache
 from .errors import CacheDirError, CacheWarning, CompileError, DeviceOutOfMemoryError, ExecutionError
-from .module import CompiledModule
+from .compiled import CompiledModule
 from .target import Target, target_for
 
 __all__ = [

@@ -24,9 +24,9 @@ from ..config import CONFIG
 from ..metrics import METRICS, METRICS_LOCK
 from .disk_cache import DiskCache, cache_key, configured_disk_cache
 from .errors import CompileError
-from .module import CompiledModule
+from .compiled import CompiledModule
 from .session import DeviceSession, session_for
-from .direct.module import compile_bundle, load_bundle
+from .direct.launcher import compile_bundle, load_bundle
 from .target import CUDA_DIRECT_TARGET, Target, target_for
 
 __all__ = ["compile_module", "precompile", "clear_cache", "forget_module", "text_hash"]

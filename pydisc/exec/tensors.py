@@ -4,7 +4,7 @@ IREE imports a DLPack tensor as a dense, offset-0 buffer view, so anything else 
 with a storage offset, a data pointer not 64-byte aligned) is copied first. Imported buffers allow
 READ|WRITE but not DISCARD_WRITE, which IREE needs when a result is an input or a constant (it fills or
 copies instead of dispatching); a module that needs it gets its outputs imported as host allocations
-on the CPU (module.py) and staged through IREE-allocated buffers (`StagedOutput`) elsewhere.
+on the CPU (compiled.py) and staged through IREE-allocated buffers (`StagedOutput`) elsewhere.
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from torch.fx.node import map_arg
 from pydisc.frontend.lowering import LOWERINGS, FunctionBuilder, LoweringContext, LoweringError, TensorSpec, Value
 from pydisc.frontend.lowering.builder import ELEMENT_TYPES
 from pydisc.frontend.lowering.registry import DYNAMIC_RULES, SUPPORT_CHECKS, spec_of
-from pydisc.frontend.lowering.symbolic import (
+from pydisc.frontend.lowering.size_exprs import (
     DynamicShapeError,
     Size,
     SizeBindings,

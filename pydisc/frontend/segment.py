@@ -8,18 +8,17 @@ computes values read before `mark_step`, `Segment.demote` re-runs the calls thro
 """
 from __future__ import annotations
 
-import contextlib
 import gc
 import time
 import weakref
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils import _pytree as pytree
 
 from .. import metrics as _metrics
 from ..config import CONFIG
+from .call_meta import RECIPES, Recipe, call_recipe, on_device
 from .fused import _FVS, FV, XV, Demote, FusedStep, NoMeta, _amp, _fv, _xv
 from .layout import contiguous_strides, layout_key
 from .lazy_tensor import RECORDER, LazyTensor, materialize
@@ -36,79 +35,12 @@ _grad_enabled = torch.is_grad_enabled
 _is_alias_of = torch._C._is_alias_of
 _Tensor = torch.Tensor
 _GRAD = _Tensor.grad.__get__
-_RANDOM_WORDS = ("rand", "dropout", "bernoulli", "normal", "multinomial", "uniform", "rrelu", "gumbel",
-                 "exponential", "geometric", "cauchy", "poisson")
 
 
-_META_DEVICE = torch.device("meta")    # the segment's device, in a call's arguments
+
 # Arguments that are constants as they are (no tensor inside, not a device): torch.Size holds ints (or the
 # SymInts of a symbolic step, in which no segment starts).
 _PLAIN_CONSTANTS = frozenset({int, float, bool, torch.dtype, torch.Size, torch.memory_format, torch.layout})
-
-
-def _random(func) -> bool:
-    """Does the call draw random numbers (by its name: over-inclusive is safe)?"""
-    name = _name(func).lower()
-    return any(w in name for w in _RANDOM_WORDS)
-
-
-class _SeededOps(TorchDispatchMode):
-    """Notes whether a call's meta run dispatches an op that draws random numbers."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen = False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if _SEEDED in func.tags and _dropout_p(func, args, kwargs) != 0.0:
-            self.seen = True
-        return func(*args, **(kwargs or {}))
-
-
-def _dropout_p(func, args, kwargs):
-    """The `dropout_p` argument of an op that has one (attention kernels are tagged as seeded, and draw
-    only with dropout), else None."""
-    for i, a in enumerate(func._schema.arguments):
-        if a.name == "dropout_p":
-            if kwargs and "dropout_p" in kwargs:
-                return kwargs["dropout_p"]
-            return args[i] if i < len(args) else a.default_value
-    return None
-
-
-_SEEDED = torch.Tag.nondeterministic_seeded
-
-
-def _grad_node(m: torch.Tensor):
-    """The autograd node a gradient of `m` flows into (its grad_fn, or its AccumulateGrad)."""
-    return m.grad_fn if m.grad_fn is not None else torch.autograd.graph.get_gradient_edge(m).node
-
-
-def _reached(roots) -> set:
-    seen, todo = set(), [r for r in roots if r is not None]
-    while todo:
-        node = todo.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        todo.extend(n for n, _ in node.next_functions if n is not None)
-    return seen
-
-
-class Recipe:
-    """What one call does to arguments of given layouts, from its run on meta tensors."""
-    __slots__ = ("spec", "leaves", "outputs", "mutated", "mutated_rg", "connected", "random")
-
-    def __init__(self, spec, leaves, outputs, mutated, mutated_rg, connected, random) -> None:
-        self.spec = spec            # pytree spec of the result (None: a single tensor)
-        self.leaves = leaves        # the result's leaves, tensors as None
-        # per tensor leaf: (leaf index, size, stride, offset, dtype, nbytes, requires_grad, alias, same)
-        # alias: the argument slot it is a view of; same: the argument slot it is
-        self.outputs = outputs
-        self.mutated = mutated      # argument slots written in place
-        self.mutated_rg = mutated_rg    # ... and whether each requires grad after the write
-        self.connected = connected  # argument slots autograd's graph of the results reaches
-        self.random = random        # it draws random numbers (an ATen op tagged nondeterministic_seeded)
 
 
 class Segment:
@@ -249,7 +181,7 @@ class Segment:
             raise Demote("a call without tensors")
         key = (*sig, *[self.layout_of(v) for v in slots])
         try:
-            recipe = _RECIPES.get(key)
+            recipe = RECIPES.get(key)
         except TypeError:
             raise Demote("an argument that cannot be hashed") from None
         if recipe is None:
@@ -258,7 +190,7 @@ class Segment:
                 recipe = self.recipe(func, enc_args, enc_kwargs, slots, amp)
             except NoMeta as exc:
                 return self.read_call(func, enc_args, enc_kwargs, slots, str(exc))
-            _RECIPES[key] = recipe
+            RECIPES[key] = recipe
             self.meta_seconds += time.perf_counter() - started
         for slot in recipe.mutated:
             v = slots[slot]
@@ -332,78 +264,9 @@ class Segment:
             if id(v) not in metas:
                 m = self.meta_of(v)[0]
                 if fake is not None:
-                    m = _on_device(fake, m, self.device)
+                    m = on_device(fake, m, self.device)
                 metas[id(v)] = m
-
-        def to_meta(a):
-            t = type(a)
-            if t is FV or t is XV:
-                return metas[id(a)]
-            if t is list or t is tuple:
-                return t(to_meta(x) for x in a)
-            if t is torch.device or t is str and a[:4] in ("cpu", "cuda", "cuda:"):
-                return _META_DEVICE if fake is None else a
-            return a
-
-        margs = [to_meta(a) for a in enc_args]
-        mkwargs = {k: to_meta(v) for k, v in enc_kwargs.items()}
-        distinct = list({id(v): metas[id(v)] for v in slots}.items())
-        before = [(m._version, m.shape, m.stride(), m.storage_offset()) for _, m in distinct]
-        grad = _grad_enabled()
-        nodes = {key: _grad_node(m) for key, m in distinct if grad and m.requires_grad}
-        seeded = _SeededOps()
-        try:
-            with torch.set_grad_enabled(grad), fake or contextlib.nullcontext(), seeded:
-                out = func(*margs, **mkwargs)
-        except Exception as exc:
-            raise NoMeta("no meta kernel: %s" % _name(func)) from exc
-        written = set()
-        for (key, m), (version, shape, stride, offset) in zip(distinct, before):
-            if m.shape != shape or m.stride() != stride or m.storage_offset() != offset:
-                raise Demote("an in-place op that changes sizes")
-            if m._version != version:
-                written.add(key)
-        slot_of = {}
-        for i, v in enumerate(slots):
-            slot_of.setdefault(id(v), i)
-        mutated = tuple(slot_of[key] for key in written)
-        mutated_rg = tuple(bool(m.requires_grad) for key, m in distinct if key in written)
-        if isinstance(out, _Tensor):
-            leaves, spec = [out], None
-        else:
-            leaves, spec = pytree.tree_flatten(out)
-        connected = frozenset()
-        if nodes:
-            # the arguments a gradient of the results (or of what was written in place) reaches, as
-            # autograd's graph connects them: not a size or dtype source (`type_as`), not a no_grad use
-            reached = _reached([o.grad_fn for o in leaves if isinstance(o, _Tensor)] +
-                               [m.grad_fn for key, m in distinct if key in written])
-            connected = frozenset(slot_of[key] for key, node in nodes.items() if node in reached)
-        outputs = []
-        kept = []
-        for j, o in enumerate(leaves):
-            if not isinstance(o, _Tensor):
-                kept.append(o)
-                continue
-            kept.append(None)
-            if o.device.type != ("meta" if fake is None else self.device.type):
-                raise Demote("a call that makes a tensor on another device")
-            same = alias = None
-            for key, m in distinct:
-                if o is m:
-                    same = slot_of[key]
-                    break
-                if alias is None and _is_alias_of(o, m):
-                    alias = slot_of[key]
-            outputs.append((j, tuple(o.shape), o.stride(), o.storage_offset(), o.dtype,
-                            o.untyped_storage().nbytes(), bool(o.requires_grad), alias, same))
-        if not outputs:
-            if mutated:
-                pass        # written in place, returning nothing (`x[i] = v`)
-            elif spec is None or all(not isinstance(x, _Tensor) for x in leaves):
-                raise Demote("a call returning no tensor")
-        return Recipe(spec, kept, tuple(outputs), mutated, mutated_rg, connected,
-                      seeded.seen or _random(func))
+        return call_recipe(func, enc_args, enc_kwargs, slots, metas, fake, self.device)
 
     # ---- reads before mark_step ---------------------------------------------------------------
     def evaluate(self, fids: list[int]) -> dict[int, torch.Tensor]:
@@ -625,24 +488,6 @@ class Segment:
             o._fseg = None
 
 
-def _name(func) -> str:
-    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or str(func)
-    return name.replace("TensorBase.", "Tensor.").replace("_TensorBase.", "Tensor.")
-
-
-def _on_device(mode: FakeTensorMode, m: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A fake tensor of `device` with meta tensor `m`'s layout and requires_grad (views keep theirs)."""
-    with mode:
-        base = torch.empty_strided((m.untyped_storage().nbytes() // max(m.dtype.itemsize, 1),), (1,),
-                                   dtype=m.dtype, device=device)
-        if m.requires_grad and not m.is_leaf:
-            base = base.requires_grad_(True).clone()
-        out = base.as_strided(m.shape, m.stride(), m.storage_offset())
-        if m.requires_grad and m.is_leaf:
-            out = out.detach().requires_grad_(True)
-    return out
-
-
 def _find(args, kwargs, slot: int):
     """The argument object at tensor slot `slot` (in encoding order)."""
     found = []
@@ -661,7 +506,6 @@ def _find(args, kwargs, slot: int):
     return found[slot]
 
 
-_RECIPES: dict[tuple, Recipe] = {}
 
 
 class _Fast:

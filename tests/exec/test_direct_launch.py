@@ -22,7 +22,7 @@ from pydisc.driver import step as pstep
 from pydisc.config import CONFIG
 from pydisc.exec import clear_cache
 from pydisc.exec.direct.kernels import read_executables
-from pydisc.exec.direct.module import compile_bundle, split_bundle
+from pydisc.exec.direct.launcher import compile_bundle, split_bundle
 from pydisc.exec.direct.schedule import Schedule
 from pydisc.exec.target import CUDA_DIRECT_TARGET
 from pydisc.frontend.decompositions import DECOMPOSITIONS

@@ -154,7 +154,7 @@ def test_identity_and_constant_results(device):
 def test_outputs_iree_cannot_write_in_place_are_staged():
     """Without the host-allocation import, the outputs go through IREE-allocated buffers and are
     copied back."""
-    from pydisc.exec.module import CompiledModule
+    from pydisc.exec.compiled import CompiledModule
     from pydisc.exec.session import session_for
 
     cpu = torch.device("cpu")

@@ -21,7 +21,7 @@ from conftest import check, trace
 from pydisc.config import CONFIG
 from pydisc.frontend.decompositions import DECOMPOSITIONS
 from pydisc.frontend.emit import TensorSpec, emit_cluster, unsupported_reason
-from pydisc.frontend.lowering.symbolic import reshape_groups
+from pydisc.frontend.lowering.size_exprs import reshape_groups
 from pydisc.metrics import METRICS
 from pydisc.driver.plan import StepPlan, plan_graph
 from pydisc.exec.clusters import CompiledCluster

@@ -14,7 +14,7 @@ import pydisc
 import pydisc.diagnostics as diagnostics
 import pydisc.exec as pexec
 import pydisc.driver.step as pstep
-from pydisc.exec.module import CompiledModule
+from pydisc.exec.compiled import CompiledModule
 from pydisc.exec.clusters import CompiledCluster
 
 

@@ -18,7 +18,7 @@ import sympy
 import torch
 
 from pydisc.frontend.lowering.sizes import RuntimeSizes
-from pydisc.frontend.lowering.symbolic import (
+from pydisc.frontend.lowering.size_exprs import (
     DynamicShapeError,
     Size,
     ceil_div,

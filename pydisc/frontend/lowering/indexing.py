@@ -14,7 +14,7 @@ from pydisc.frontend.lowering.builder import FunctionBuilder, TensorSpec, Value,
 from pydisc.frontend.lowering.elementwise import as_operand
 from pydisc.frontend.lowering.registry import LoweringContext, lowering, support_check
 from pydisc.frontend.lowering.shape import normalize_dim
-from pydisc.frontend.lowering.symbolic import DynamicShapeError, is_static, same_size, size_of
+from pydisc.frontend.lowering.size_exprs import DynamicShapeError, is_static, same_size, size_of
 
 __all__ = ["scatter", "one_per_row"]
 

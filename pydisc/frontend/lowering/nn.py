@@ -21,7 +21,7 @@ from pydisc.frontend.lowering.indexing import scatter
 from pydisc.frontend.lowering.linalg import matmul  # noqa: F401  (rules for mm/bmm live there)
 from pydisc.frontend.lowering.reductions import reduce_sum
 from pydisc.frontend.lowering.registry import LoweringContext, lowering, support_check
-from pydisc.frontend.lowering.symbolic import size_of
+from pydisc.frontend.lowering.size_exprs import size_of
 
 __all__: list[str] = []
 

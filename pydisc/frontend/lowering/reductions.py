@@ -13,7 +13,7 @@ import torch
 from pydisc.frontend.lowering.builder import FunctionBuilder, Value
 from pydisc.frontend.lowering.elementwise import compute_dtype
 from pydisc.frontend.lowering.registry import LoweringContext, lowering
-from pydisc.frontend.lowering.symbolic import size_max
+from pydisc.frontend.lowering.size_exprs import size_max
 
 __all__ = ["reduce_dims", "reduce_sum"]
 

@@ -21,7 +21,7 @@ import torch._prims  # noqa: F401  (registers the prims ops some decompositions 
 from torch._ops import OpOverload
 
 from pydisc.frontend.lowering.builder import FunctionBuilder, TensorSpec
-from pydisc.frontend.lowering.symbolic import size_of
+from pydisc.frontend.lowering.size_exprs import size_of
 
 __all__ = [
     "DYNAMIC_RULES", "LOWERINGS", "SUPPORT_CHECKS", "LoweringContext", "LoweringError", "Rule", "lowering", "spec_of",

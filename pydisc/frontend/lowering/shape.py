@@ -12,7 +12,7 @@ import sympy
 import torch
 
 from pydisc.frontend.lowering.builder import TensorSpec, Value
-from pydisc.frontend.lowering.symbolic import Size, size_max, size_min, size_of
+from pydisc.frontend.lowering.size_exprs import Size, size_max, size_min, size_of
 from pydisc.frontend.lowering.elementwise import as_operand, compute_dtype
 from pydisc.frontend.lowering.registry import LoweringContext, lowering, support_check
 

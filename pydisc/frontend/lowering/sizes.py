@@ -1,7 +1,7 @@
 """Runtime sizes inside a function under construction (a mixin of `FunctionBuilder`).
 
 A size symbol is read where it lives, a dim of a function argument (`tensor.dim`); any size expression
-is built from those with `arith` ops on `index` values (`symbolic.expression_node` says which), once per
+is built from those with `arith` ops on `index` values (`size_exprs.expression_node` says which), once per
 expression: the value is cached, except that a region's own computations are forgotten after it. Shapes
 become `tensor<Nxindex>` operands of the dynamic ops; a size used as a number (a mean's count) becomes a
 0-d tensor, computed in float64 when it is a float expression of sizes.
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import sympy
 import torch
 
-from pydisc.frontend.lowering.symbolic import (
+from pydisc.frontend.lowering.size_exprs import (
     Size,
     SizeBindings,
     UnboundSizeError,

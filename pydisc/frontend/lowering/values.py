@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pydisc.frontend.lowering.symbolic import Size, is_static, size_of
+from pydisc.frontend.lowering.size_exprs import Size, is_static, size_of
 
 __all__ = ["ELEMENT_TYPES", "IndexTensor", "TensorSpec", "Value", "element_type", "is_float", "is_signed_int"]
 
