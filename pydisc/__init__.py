@@ -9,6 +9,8 @@ from __future__ import annotations
 import atexit
 import gc
 
+import torch
+
 from .diagnostics import PydiscWarning
 from .config import CONFIG
 from .driver import background, step_choice
@@ -67,8 +69,6 @@ def wait_for_compiles() -> None:
 def to_lazy(t):
     """`t` (a tensor, or a list/tuple/dict of them) as lazy tensors on the same device, without a
     copy: inputs of the step, like the arguments of a `pydisc.lazy` module."""
-    import torch
-
     if RECORDER.released:
         return t    # steps run eagerly now (pydisc/driver/step_choice.py): inputs stay plain, as the module's do
     release_factory_mode()

@@ -8,14 +8,14 @@ import time
 
 import torch
 
+from .driver.shape_log import read_log
+from .exec import compile_module
+from .metrics import METRICS
+
 __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .exec import compile_module
-    from .metrics import METRICS
-    from .driver.shape_log import read_log
-
     parser = argparse.ArgumentParser(prog="python -m pydisc.precompile", description=__doc__)
     parser.add_argument("log", help="a shape log written by a run with PYDISC_SHAPE_LOG=path")
     parser.add_argument("--device", default=None,

@@ -3,6 +3,8 @@ op, the binding) and how much memory it asked for.
 """
 from __future__ import annotations
 
+import traceback
+
 import torch
 
 from ..exec.errors import DeviceOutOfMemoryError, is_out_of_memory
@@ -52,7 +54,6 @@ def out_of_memory_error(exc: BaseException, trace: Trace) -> RuntimeError:
 def _eager_op_of(exc: BaseException) -> str:
     """The ATen op that raised `exc` in an eager part of a plan: the innermost frame of a replayed
     `Program` (its `fn`) or of a torch.fx graph's generated code (its source line)."""
-    import traceback
     for frame, _ in reversed(list(traceback.walk_tb(exc.__traceback__))):
         if frame.f_code is Program.__call__.__code__ and "fn" in frame.f_locals:
             return "eager op %s" % frame.f_locals["fn"]

@@ -13,6 +13,7 @@ are noted (a 0-d one by its value) once per step; `abandoned()` writes the notes
 from __future__ import annotations
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..frontend.lazy_tensor import LazyTensor
 
@@ -25,7 +26,6 @@ _installed = False
 def install_optimizer_hook() -> None:
     global _installed
     if not _installed:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
         register_optimizer_step_pre_hook(_before_step)
         _installed = True
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
 import tempfile
 import threading
 
@@ -32,7 +33,6 @@ _LOADED_FROM: set[str] = set()
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    import platform
     return "cpu %s %d" % (platform.processor() or platform.machine(), os.cpu_count() or 1)
 
 

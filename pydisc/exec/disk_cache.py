@@ -18,6 +18,7 @@ full disk) warns once and leaves compiling as it was. See docs/cache.md.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import hashlib
@@ -257,8 +258,6 @@ class DiskCache:
 
 def cache_command(argv: list[str] | None = None) -> int:
     """`info`: the folder, its entries, size and limit (exit 1 if the folder is refused); `clear`: empty it."""
-    import argparse
-
     parser = argparse.ArgumentParser(prog="python -m pydisc.cache",
                                      description="pydisc's on-disk compile cache (docs/cache.md)")
     parser.add_argument("command", choices=["info", "clear"])

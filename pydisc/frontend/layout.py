@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["LayoutKey", "contiguous_strides", "flat_base", "layout_key", "numel", "view_of_base"]
+__all__ = ["LayoutKey", "contiguous_strides", "flat_base", "hint", "is_symbolic", "layout_key", "numel", "view_of_base"]
 
 
 def flat_base(t: torch.Tensor) -> torch.Tensor:
@@ -61,3 +61,18 @@ def layout_key(size: tuple, stride: tuple, offset: int, dtype: torch.dtype, nbyt
     if key is None:
         key = _LAYOUT_KEYS[layout] = LayoutKey(layout)
     return key
+
+
+def is_symbolic(x) -> bool:
+    return isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+def hint(x):
+    """The concrete value of a size in the step being recorded (no guard is added)."""
+    if isinstance(x, torch.SymInt):
+        return int(x.node.hint)
+    if isinstance(x, torch.SymFloat):
+        return float(x.node.hint)
+    if isinstance(x, torch.SymBool):
+        return bool(x.node.hint)
+    return x

@@ -17,7 +17,17 @@ from typing import Any
 
 import sympy
 import torch
+from torch._C import DispatchKey
+from torch._dispatch.python import enable_python_dispatcher
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+from torch.utils._sympy.functions import CeilDiv, FloorDiv, Max, Min, Mod, PythonMod, TruncToInt
+from torch.utils._sympy.interp import sympy_interp
+from torch.utils._sympy.reference import PythonReferenceAnalysis
+
+from .layout import hint, is_symbolic
+from .tensor import LazyTensor
 
 __all__ = ["SymbolicStep", "SymArg", "SymExpr", "is_symbolic", "hint", "evaluate", "python_evaluator",
            "release_factory_mode", "own_modes"]
@@ -67,26 +77,8 @@ class SymExpr:
         return evaluate(self.expr, env)
 
 
-def is_symbolic(x) -> bool:
-    return isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))
-
-
-def hint(x):
-    """The concrete value of a size in the step being recorded (no guard is added)."""
-    if isinstance(x, torch.SymInt):
-        return int(x.node.hint)
-    if isinstance(x, torch.SymFloat):
-        return float(x.node.hint)
-    if isinstance(x, torch.SymBool):
-        return bool(x.node.hint)
-    return x
-
-
 def evaluate(expr: sympy.Expr, env: dict):
     """`expr` over symbols with the values in `env` (ints, or SymInts being traced)."""
-    from torch.utils._sympy.interp import sympy_interp
-    from torch.utils._sympy.reference import PythonReferenceAnalysis
-
     return sympy_interp(PythonReferenceAnalysis, env, expr)
 
 
@@ -101,8 +93,6 @@ def python_evaluator(expr: sympy.Expr):
 
 
 def _py(e) -> str:
-    from torch.utils._sympy.functions import CeilDiv, FloorDiv, Max, Min, Mod, PythonMod, TruncToInt
-
     if isinstance(e, sympy.Symbol):
         return str(e)
     if isinstance(e, sympy.Integer):
@@ -155,8 +145,6 @@ class _FactoryMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        from .lazy_tensor import LazyTensor
-
         if self.record is not None and not self.faking and \
                 not any(issubclass(t, LazyTensor) for t in types) and _has_symbols((args, kwargs)):
             return self.record(func, args, kwargs)
@@ -201,8 +189,6 @@ _CPP_SPELLED = (torch.ops.aten.dropout.default,)
 
 
 def _hide_python_kernels() -> list:
-    from torch._C import DispatchKey
-
     hidden = []
     for op in _CPP_SPELLED:
         kernel = op.py_kernels.pop(DispatchKey.CompositeImplicitAutograd, None)
@@ -213,8 +199,6 @@ def _hide_python_kernels() -> list:
 
 
 def _restore_python_kernels(hidden: list) -> None:
-    from torch._C import DispatchKey
-
     for op, kernel in hidden:
         op.py_kernels[DispatchKey.CompositeImplicitAutograd] = kernel
         op._dispatch_cache.clear()
@@ -226,9 +210,6 @@ class SymbolicStep:
     _count = 0
 
     def __init__(self, record_factory) -> None:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-        from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
         SymbolicStep._count += 1
         self.id = SymbolicStep._count
         # no duck sizing: two dims that happen to be equal in this step are not the same symbol
@@ -246,8 +227,6 @@ class SymbolicStep:
 
     # ---- lifetime: active from the first symbolic input to the end of the step ----------------------
     def enter(self) -> None:
-        from torch._dispatch.python import enable_python_dispatcher
-
         ctx = enable_python_dispatcher()
         ctx.__enter__()
         self._contexts.append(ctx)
@@ -271,9 +250,7 @@ class SymbolicStep:
     # ---- symbols -----------------------------------------------------------------------------------
     def symbolic_layout(self, real: torch.Tensor, dims, source: tuple) -> tuple:
         """Sizes and strides of `real` with `dims` symbolic (contiguous tensors only)."""
-        from torch._dynamo.source import ConstantSource
-        from torch.fx.experimental.symbolic_shapes import DimDynamic
-
+        from torch._dynamo.source import ConstantSource   # (importing torch._dynamo costs ~1 s: only here)
         sizes: list = list(real.shape)
         made = []
         for d in dims:

@@ -11,8 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from .layout import LayoutKey, layout_key
-from .symbolic import hint
+from .layout import LayoutKey, hint, layout_key
 from .trace import LazyStorage
 
 __all__ = ["LazyTensor", "LiftedScalar", "StrictModeError", "bind", "concrete_layout", "is_lazy", "liftable"]
