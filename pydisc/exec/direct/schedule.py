@@ -292,7 +292,7 @@ class _Extractor:
             self.program.append(["align", out, self.int_of(op.operands[0]), self.int_of(op.operands[1])])
             self.ints[op.results[0]] = out
         elif name in ("affine.apply", "affine.min", "affine.max"):
-            from iree.compiler import ir
+            from iree.compiler import ir   # (MLIR bindings, loaded only for an affine op in a schedule)
             amap = ir.AffineMapAttr(op.attributes["map"]).value
             out = self.new(64)
             self.program.append(["affine", out, name.split(".")[1], [_affine_tree(e) for e in amap.results],
