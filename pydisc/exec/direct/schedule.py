@@ -22,6 +22,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from iree.compiler import ir
+
 from .errors import LaunchUnsupported
 
 __all__ = ["Schedule", "extract_schedule"]
@@ -184,12 +186,10 @@ def _width(type_) -> int:
 
 
 def _int_attr(attr) -> int:
-    from iree.compiler import ir
     return ir.IntegerAttr(attr).value
 
 
 def _affine_tree(expr):
-    from iree.compiler import ir
     e = expr.maybe_downcast()
     if isinstance(e, ir.AffineConstantExpr):
         return ("c", e.value)
@@ -292,7 +292,6 @@ class _Extractor:
             self.program.append(["align", out, self.int_of(op.operands[0]), self.int_of(op.operands[1])])
             self.ints[op.results[0]] = out
         elif name in ("affine.apply", "affine.min", "affine.max"):
-            from iree.compiler import ir   # (MLIR bindings, loaded only for an affine op in a schedule)
             amap = ir.AffineMapAttr(op.attributes["map"]).value
             out = self.new(64)
             self.program.append(["affine", out, name.split(".")[1], [_affine_tree(e) for e in amap.results],
@@ -477,7 +476,6 @@ def extract_schedule(host_mlir: bytes | str) -> Schedule:
 
     `main` takes the inputs, then one argument per result that the result is written into
     (`{iree.abi.output = k}`), as pydisc's emitter writes it; anything else is unsupported."""
-    from iree.compiler import ir
 
     with ir.Context() as context:
         module = ir.Module.parse(host_mlir, context)
