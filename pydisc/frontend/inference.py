@@ -6,10 +6,8 @@ a batched `matmul` as `expand`s, `view`s, `bmm` and `_unsafe_view`: each a full 
 `__torch_dispatch__` (~15-30 µs of host time). Where no gradient is recorded (under `torch.no_grad()` or
 `torch.inference_mode()`), nothing needs those pieces at recording time: the lazy tensor's
 `__torch_function__` records `aten.linear` / `aten.matmul` themselves, and torch splits them the same
-way when the plan is traced (`frontend/replay.py`), so the compiled graph is the same. GPT-2-small
-inference records 305 ops per step instead of 559 (on the H200 its compiled step went from 17-30 ms to
-12.6-18.5 in four of five runs, against 21 eager); the tiny GPT-2 of bench/workloads.py records 55
-instead of 99, in 1.00 ms instead of 1.62 on the 2-core VM.
+way when the plan is traced (`frontend/replay.py`), so the compiled graph is the same, from about half
+the recorded ops (GPT-2 inference; bench/README.md has the runs).
 
 A Python `__torch_function__` costs ~1 µs on every torch call and attribute read of a lazy tensor, so it
 is installed only while the lazy module's forward runs without grad (`use_for_forward`, from the module's
