@@ -36,9 +36,10 @@ def bind(trace: Trace, outputs: tuple, results: list[torch.Tensor], executed: li
     for (kind, index), val in zip(outputs, results):
         if kind == "base":
             storage = trace.input_storages[index]
-            if val.data_ptr() != storage.real.data_ptr():
-                storage.real.copy_(val.reshape(storage.real.shape))
-            trace.storage_versions[index] = storage.real._version   # our own write, not the user's
+            real = storage.real
+            if val.data_ptr() != real.data_ptr():
+                real.copy_(val if val.shape == real.shape else val.reshape(real.shape))
+            trace.storage_versions[index] = real._version   # our own write, not the user's
         else:
             storage = trace.storages[index]
             size, stride, offset, dtype = trace.metas[index]
