@@ -86,6 +86,12 @@ def _route(op: OpOverload, device: torch.device) -> Route:
             return route(rule.route, rule.why)
     if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd"):
         return route("split", "torch's dispatcher splits it into the ops it is made of; explain those")
+    functional = _functional(op)
+    if functional is not None:
+        inner = _route(functional, device)
+        inner.op = str(op)
+        inner.notes.insert(0, "in place: functionalization records it as %s, whose route this is" % functional)
+        return inner
     library = [rule for rule in rules if rule.route == "library"]
     if library and op not in decompositions_for(device):
         return route("library", library[0].why)
@@ -98,11 +104,10 @@ def _route(op: OpOverload, device: torch.device) -> Route:
         notes = ["dynamic dims: %s" % ("yes" if op in DYNAMIC_RULES else "no (a step with dynamic dims runs it in torch)")]
         check = SUPPORT_CHECKS.get(op)
         if check is not None:
-            notes.append("limits checked per node (%s.%s)%s" % (check.__module__, check.__name__,
-                                                                ": " + check.__doc__.strip().splitlines()[0]
-                                                                if check.__doc__ else ""))
+            doc = (getattr(check, "func", check).__doc__ or "").strip()
+            notes.append("limits checked per node (%s)%s" % (_qualname(check), ": " + doc.splitlines()[0] if doc else ""))
         notes.append("dtypes compiled: %s" % ", ".join(str(t).replace("torch.", "") for t in ELEMENT_TYPES))
-        return route("compiled", "StableHLO rule %s.%s" % (rule.__module__, rule.__name__), notes)
+        return route("compiled", "StableHLO rule %s" % _qualname(rule), notes)
     missing = importer_available()
     if not CONFIG.torch_mlir or missing is not None or op in TORCH_MLIR_WRONG_VALUES or op._schema.is_mutable:
         why = "no StableHLO rule or decomposition"
@@ -113,6 +118,22 @@ def _route(op: OpOverload, device: torch.device) -> Route:
         return route("fallback", why + ": runs in torch, counted in metrics()['fallback_ops']")
     return route("torch-mlir", "no StableHLO rule or decomposition: the torch-mlir route compiles it where it can "
                  "(static shapes); what it rejects runs in torch, counted as a fallback")
+
+
+def _qualname(fn) -> str:
+    fn = getattr(fn, "func", fn)     # (a functools.partial)
+    return "%s.%s" % (getattr(fn, "__module__", "?"), getattr(fn, "__qualname__", repr(fn)))
+
+
+def _functional(op: OpOverload) -> OpOverload | None:
+    """The out-of-place op an in-place one (`add_`) becomes under functionalization, if there is one."""
+    if not (op._schema.is_mutable and op._opname.endswith("_")):
+        return None
+    packet = getattr(torch.ops.aten, op._opname[:-1], None)
+    functional = getattr(packet, op._overloadname, None) if packet is not None else None
+    if not isinstance(functional, OpOverload) or not torch._C._dispatch_has_kernel(functional.name()):
+        return None
+    return functional
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -83,6 +83,8 @@ def test_names_and_errors(capsys):
     assert resolve("mm") == resolve("aten.mm") and aten.mm.default in resolve("mm")
     assert aten.add.Tensor in resolve("aten.add") and aten.add.out not in resolve("aten.add")
     assert explain("aten.linear.default").route == "split"
+    in_place = explain("aten.add_.Tensor")      # functionalized into add.Tensor, which is compiled
+    assert in_place.route == "compiled" and in_place.op == "aten.add_.Tensor" and "aten.add.Tensor" in in_place.notes[0]
     with pytest.raises(ValueError, match="not an ATen op"):
         resolve("aten.no_such_op")
     with pytest.raises(ValueError, match="several overloads"):
