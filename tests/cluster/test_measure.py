@@ -1,5 +1,6 @@
 """Measured choice between a compiled cluster and its ops run eagerly (PYDISC_MEASURE)."""
 import gc
+import re
 import time
 
 import pytest
@@ -541,6 +542,10 @@ def test_a_step_that_records_slower_than_a_plain_eager_step_keeps_eager_without_
             kept.extend(a[1])
         return out
     monkeypatch.setattr(step_choice, "release_all", noting_release_all)
+    from pydisc.frontend.lazy_tensor import LazyTensor
+
+    gc.collect()
+    earlier = sum(1 for o in gc.get_objects() if type(o) is LazyTensor)   # an earlier test's, under xdist
     expected, _ = _training(8, lazy=False)
     losses, model = _training(8, lazy=True)
     pydisc.wait_for_compiles()
@@ -553,7 +558,8 @@ def test_a_step_that_records_slower_than_a_plain_eager_step_keeps_eager_without_
     if bound == 0.0:
         assert steps[3:] == [(True, False)] * 5, steps
         assert "-> eager, not compiled" in m["step_choice"], m["step_choice"]
-        assert "lazy tensors released to plain, 0 kept lazy" in m["step_choice"], m["step_choice"]
+        kept = re.search(r"released to plain, (\d+) kept lazy", m["step_choice"])
+        assert kept and int(kept.group(1)) <= earlier, (m["step_choice"], earlier)   # none of this training's
         assert m["plans_compiled"] == 0 and m["background_compiles"] == 0
         assert not any(pydisc.is_lazy(p) for p in model.parameters())
     else:
