@@ -92,10 +92,11 @@ def _route(op: OpOverload, device: torch.device) -> Route:
         inner.op = str(op)
         inner.notes.insert(0, "in place: functionalization records it as %s, whose route this is" % functional)
         return inner
+    decomposed = op in decompositions_for(device)
     library = [rule for rule in rules if rule.route == "library"]
-    if library and op not in decompositions_for(device):
+    if library and not decomposed:
         return route("library", library[0].why)
-    if op in decompositions_for(device):
+    if decomposed:
         return route("decomposed", "torch's decomposition replaces it when the step's graph is made; the ops it "
                      "becomes take their own routes", ["kept whole if the decomposition's result differs from the "
                                                        "op's meta function at trace time"])

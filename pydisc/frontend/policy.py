@@ -60,9 +60,6 @@ class Rule:
     applies: Callable[[torch.device], bool]        # on which devices
     why: str
 
-    def __contains__(self, op: object) -> bool:
-        return op in self.ops
-
 
 # -- recording --------------------------------------------------------------------------------------
 

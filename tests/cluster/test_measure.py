@@ -12,6 +12,7 @@ from pydisc.exec import choices
 from pydisc.exec.clusters import CompiledCluster
 from pydisc.driver.engine import ENGINE
 from pydisc.driver.step import clear_plans
+from pydisc.frontend.lazy_tensor import LazyTensor
 
 
 @pytest.fixture
@@ -542,8 +543,6 @@ def test_a_step_that_records_slower_than_a_plain_eager_step_keeps_eager_without_
             kept.extend(a[1])
         return out
     monkeypatch.setattr(step_choice, "release_all", noting_release_all)
-    from pydisc.frontend.lazy_tensor import LazyTensor
-
     gc.collect()
     earlier = sum(1 for o in gc.get_objects() if type(o) is LazyTensor)   # an earlier test's, under xdist
     expected, _ = _training(8, lazy=False)
