@@ -13,7 +13,7 @@ import torch
 
 from .diagnostics import PydiscWarning
 from .config import CONFIG
-from .driver import background, step_choice
+from .driver import background, inflight, step_choice
 from .driver.dynamic import mark_dynamic
 from .driver.step import clear_plans
 from .exec import clear_cache
@@ -31,7 +31,7 @@ from .report import metrics_report
 from .driver.step import run_pending
 
 __all__ = ["lazy", "mark_step", "mark_dynamic", "is_lazy", "to_lazy", "metrics", "reset_metrics", "metrics_report",
-           "LazyTensor", "PydiscWarning", "StrictModeError", "wait_for_compiles", "__version__"]
+           "LazyTensor", "PydiscWarning", "StrictModeError", "wait_for_compiles", "synchronize", "__version__"]
 
 install_rewrites()
 install_collectives()     # after the rewrites: it wraps any rewrite of copy_
@@ -41,7 +41,8 @@ install_optimizer_hook()
 
 @atexit.register
 def _release_compiled() -> None:
-    # Free IREE modules and devices before the interpreter tears down the runtime bindings.
+    # Free IREE modules and devices before the interpreter tears down the runtime bindings (a step still
+    # running on the worker finishes first: clear_plans waits for it).
     clear_plans()
     clear_cache()
     gc.collect()
@@ -56,6 +57,15 @@ def mark_step() -> None:
         return      # steps run eagerly now (pydisc/driver/step_choice.py): nothing was recorded
     run_pending(None, "mark_step")
     release_factory_mode()
+
+
+def synchronize() -> None:
+    """Block until the step that `mark_step()` left running on the worker thread (on the CPU, `PYDISC_ASYNC`)
+    has run and its results are bound, as `torch.cuda.synchronize()` does for a GPU. Reads of lazy tensors
+    wait by themselves; call this before timing steps, or before you hand memory pydisc reads to other
+    code. Returns at once if no step is running."""
+    with RECORDER.lock:
+        inflight.wait("synchronize")
 
 
 def wait_for_compiles() -> None:
@@ -90,7 +100,9 @@ def __getattr__(name: str):
 
 
 def metrics() -> dict:
-    """A snapshot of pydisc's counters (compiles, cache_hits, executions, clusters, fallback_ops, ...)."""
+    """A snapshot of pydisc's counters (compiles, cache_hits, executions, clusters, fallback_ops, ...), after
+    the step still running on the worker thread, if any, has finished (`synchronize`)."""
+    synchronize()
     return METRICS.snapshot()
 
 

@@ -97,6 +97,10 @@ class Config:
     # the step is planned (pydisc/frontend/fast.py), for lazy modules on: "all" (default, or 1), "cuda",
     # "cpu", "off" (or 0: every ATen op through the dispatcher)
     fast_record: str = _fast_scope()
+    # on the CPU, a compiled step runs on a worker thread while the next step records; device data is
+    # waited for where it is read (pydisc/driver/inflight.py): 1 (default) or 0 (mark_step returns when
+    # the step has run)
+    async_cpu: bool = _choice("PYDISC_ASYNC", "1", ("0", "1")) == "1"
 
 
 CONFIG = Config()

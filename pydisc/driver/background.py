@@ -18,7 +18,6 @@ graph's runs eagerly from then on (warned once), a template's error is raised at
 """
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from typing import Callable
@@ -76,9 +75,7 @@ def start(program, inputs: list, device: torch.device, sources: list, done: Call
     """Build `program`'s plan in a thread; `done(plan)` or `failed(exc)` run on the main thread when it is
     ready (`collect`). Steps pass through meanwhile. Call after the step that asked has run."""
     job = _Job(program, inputs, device, sources, done, failed)
-    if not ENGINE.jobs and not ENGINE.saved_interval:
-        ENGINE.saved_interval.append(sys.getswitchinterval())
-        sys.setswitchinterval(min(SWITCH_INTERVAL, ENGINE.saved_interval[0]))
+    ENGINE.shorten_interval("background", SWITCH_INTERVAL)
     ENGINE.jobs.append(job)
     METRICS.background_compiles += 1
     ENGINE.set_passthrough(True)
@@ -102,7 +99,7 @@ def collect() -> None:
         else:
             job.done(result)
     if not ENGINE.jobs:
-        ENGINE.restore_interval()
+        ENGINE.restore_interval("background")
         if ENGINE.passthrough and not step_choice.holds_passthrough():
             ENGINE.set_passthrough(False)
     if failure is not None:

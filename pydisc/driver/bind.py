@@ -31,8 +31,11 @@ def _as_layout(val: torch.Tensor, size, stride) -> torch.Tensor:
 
 
 def bind(trace: Trace, outputs: tuple, results: list[torch.Tensor], executed: list[int],
-          remaining: list[int]) -> None:
+          remaining: list[int], fresh_trace: bool = True) -> None:
+    """`fresh_trace`: the recorder starts a new trace after a whole step is bound; False where it started
+    one already, the step having run on the worker while the next recorded (inflight.py)."""
     touched: list[LazyStorage] = []
+    current = RECORDER.trace
     for (kind, index), val in zip(outputs, results):
         if kind == "base":
             storage = trace.input_storages[index]
@@ -40,6 +43,9 @@ def bind(trace: Trace, outputs: tuple, results: list[torch.Tensor], executed: li
             if val.data_ptr() != real.data_ptr():
                 real.copy_(val if val.shape == real.shape else val.reshape(real.shape))
             trace.storage_versions[index] = real._version   # our own write, not the user's
+            if current is not trace and storage.epoch == current.epoch and storage.input_index >= 0:
+                # the next step, recorded meanwhile, reads this storage too: nor is it the user's write there
+                current.storage_versions[storage.input_index] = real._version
         else:
             storage = trace.storages[index]
             size, stride, offset, dtype = trace.metas[index]
@@ -59,7 +65,8 @@ def bind(trace: Trace, outputs: tuple, results: list[torch.Tensor], executed: li
             if t._concrete is not None and trace.symbolic is not None and t._real is not None:
                 symbolic.append(t)
         trace.release()
-        RECORDER.new_trace()
+        if fresh_trace:
+            RECORDER.new_trace()
         if symbolic:
             concretize(symbolic)
         return

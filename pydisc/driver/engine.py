@@ -6,7 +6,9 @@ all of it (tests, `clear_plans`, the exit handler) and a reader finds it in one 
 - `plans`, `seen_ops`, `sightings`: the plan cache by a step's structural key (step.py);
 - `dynamic`: the dynamic-shape templates and flagged dims (dynamic.py);
 - `choice`: the whole-step choice's measurement (step_choice.py);
-- `jobs`, `saved_interval`: the plans being built in the background (background.py);
+- `jobs`: the plans being built in the background (background.py);
+- `in_flight`, `worker`: a compiled CPU step running on a worker thread (inflight.py);
+- `intervals`: who shortened the GIL's switch interval, and for how long (background jobs, a run in flight);
 - the step mode: whether the recorder passes ops through to torch (`set_passthrough`) and whether the
   live lazy tensors were made plain (`set_released`); the recorder reads it, only the driver sets it.
 
@@ -90,7 +92,10 @@ class Engine:
         self.dynamic = DynamicState()
         self.choice = ChoiceState()
         self.jobs: list = []                     # background.py's jobs, oldest first
-        self.saved_interval: list[float] = []    # the process's switch interval while jobs run
+        self.in_flight = None                    # inflight.InFlight: the run on the worker, not yet bound
+        self.worker = None                       # inflight.Worker, made at the first deferred run
+        self.intervals: dict[str, float] = {}    # holder -> the switch interval it asked for
+        self.saved_interval: float | None = None  # the process's own, while some holder is there
 
     # ---- the step mode the recorder reads ------------------------------------------------------
     @staticmethod
@@ -111,9 +116,28 @@ class Engine:
     def released(self) -> bool:
         return RECORDER.released
 
-    def restore_interval(self) -> None:
-        if self.saved_interval:
-            sys.setswitchinterval(self.saved_interval.pop())
+    def shorten_interval(self, holder: str, seconds: float) -> None:
+        """A shorter GIL switch interval while `holder` needs it: a thread of pydisc's waits for the GIL
+        while the main thread runs Python (background.py, inflight.py say why and how long)."""
+        if self.saved_interval is None:
+            self.saved_interval = sys.getswitchinterval()
+        self.intervals[holder] = seconds
+        sys.setswitchinterval(min(self.saved_interval, *self.intervals.values()))
+
+    def restore_interval(self, holder: str | None = None) -> None:
+        """`holder` no longer needs a short interval (None: none does); the process's own is put back
+        when no holder is left."""
+        if holder is None:
+            self.intervals.clear()
+        else:
+            self.intervals.pop(holder, None)
+        if self.saved_interval is None:
+            return
+        if self.intervals:
+            sys.setswitchinterval(min(self.saved_interval, *self.intervals.values()))
+        else:
+            sys.setswitchinterval(self.saved_interval)
+            self.saved_interval = None
 
     def reset(self) -> None:
         """Forget every plan, template and measurement; wait for the plans being built and drop them;

@@ -17,7 +17,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..frontend.lazy_tensor import LazyTensor
 
-__all__ = ["install_optimizer_hook", "completed", "abandoned"]
+__all__ = ["install_optimizer_hook", "completed", "abandoned", "taken", "restore"]
 
 _NOTES: dict[int, tuple[torch.Tensor, object]] = {}    # id -> (eager state tensor, value before the step)
 _installed = False
@@ -46,10 +46,23 @@ def completed() -> None:
 
 
 def abandoned() -> None:
+    restore(_NOTES)
+    _NOTES.clear()
+
+
+def taken() -> dict:
+    """The notes of the step being marked, handed to a run that finishes later (driver/inflight.py);
+    the next step's notes start empty."""
+    notes = dict(_NOTES)
+    _NOTES.clear()
+    return notes
+
+
+def restore(notes: dict) -> None:
+    """Write `notes` back: that step was abandoned."""
     with torch.no_grad():
-        for tensor, before in _NOTES.values():
+        for tensor, before in notes.values():
             if isinstance(before, torch.Tensor):
                 tensor.copy_(before)
             else:
                 tensor.fill_(before)
-    _NOTES.clear()

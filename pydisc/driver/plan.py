@@ -49,6 +49,8 @@ class StepPlan:
     library_ops: Counter = field(default_factory=Counter)  # ATen op -> runs in torch's libraries by choice
     graph: Any = None                                     # its CUDA graph, once run (exec/graphs.StepGraph)
     runs: int = 0                                         # counted for PYDISC_CHECK (pydisc/driver/step_check.py)
+    calls: int = 0                                        # steps it ran (the first few run at once: step._deferrable)
+    deferred_clusters: Any = None                         # its clusters where it can run on the worker, else False (inflight.py)
     value_check: bool = False                             # its last result: a value eager raises on (cluster/value_checks.py)
     fused_forwards: int = 0                               # forwards in it the fast recorder recorded (FusedStep entries)
 

@@ -17,12 +17,13 @@ import torch
 from ..config import CONFIG
 from ..diagnostics import explain_recompile, log, warn_once
 from ..exec import graphs
+from ..exec.compiled import collecting_calls
 from ..frontend import fast
 from ..frontend.lazy_tensor import PRUNE_FIRST_AT, RECORDER, LazyTensor, materialize
 from ..frontend.replay import NotDynamic, Program, concrete_program, program_from_trace, symbolic_program
 from ..frontend.trace import Trace
 from ..metrics import METRICS
-from . import background, dynamic, optimizer_state, step_choice, template_match
+from . import background, dynamic, inflight, optimizer_state, step_choice, template_match
 from .dynamic import Binding
 from .bind import bind
 from .engine import ENGINE
@@ -39,7 +40,8 @@ SMALL_READ_OPS = 16
 
 
 def clear_plans() -> None:
-    """Forget every plan, template and measurement (`Engine.reset`)."""
+    """Forget every plan, template and measurement (`Engine.reset`), after the run in flight is bound."""
+    inflight.wait("clear_plans")
     ENGINE.reset()
 
 
@@ -75,6 +77,7 @@ def run_pending(target: LazyTensor | None = None, reason: str = "mark_step") -> 
     step (and optimizers their eager step counters, `optimizer_state`), results of the abandoned one can
     no longer be read, and the next step starts clean."""
     with RECORDER.lock:
+        inflight.wait(reason)   # the step before, where it still runs on the worker: its results are inputs
         if reason == "mark_step":
             fast.flush()        # a forward recorded at __torch_function__ with no backward
         if background.pending():
@@ -86,7 +89,7 @@ def run_pending(target: LazyTensor | None = None, reason: str = "mark_step") -> 
         ran = None
         try:
             if trace.entries:
-                ran = _run(trace, target)
+                ran = _run(trace, target, defer=reason == "mark_step")
         except BaseException as exc:
             RECORDER.new_trace()
             RECORDER.end_step()
@@ -131,10 +134,11 @@ def _pass_on_input_grads(pairs: list) -> None:
         torch.autograd.backward(tensors, grads)
 
 
-def _run(trace: Trace, target: LazyTensor | None) -> tuple:
+def _run(trace: Trace, target: LazyTensor | None, defer: bool = False) -> tuple:
     """Returns (which plan ran: its id, None where it is not reusable; whether it came from the plan
     cache; the device), for `step_choice.after_mark_step`. (The id, not the cache key: a key is hashed
-    anew at each lookup, and the steps of a dynamic-shape template share its plan.)"""
+    anew at each lookup, and the steps of a dynamic-shape template share its plan.) `defer`: at a
+    mark_step, the run may go to the worker thread (`_deferrable`)."""
     n = len(trace.entries)
     cached = graphed = False
     if target is None:
@@ -215,12 +219,30 @@ def _run(trace: Trace, target: LazyTensor | None) -> tuple:
         plan.runs += 1
         if plan.runs % CONFIG.check_every == 0:
             check = StepCheck(trace, inputs, device)
+    plan.calls += 1
+    if defer and target is None and _deferrable(plan, trace, outputs, device, remaining, key, graphed, check) and \
+            _defer(plan, trace, executed, outputs, inputs, call_inputs, perm, key, device):
+        return id(plan), cached, device
+
+    def produce():
+        if graphed:
+            return graphs.run_plan(plan, call_inputs, outputs, device)
+        return plan.runner(*call_inputs)
+
+    results, plan = _outcome(plan, produce, trace, executed, outputs, inputs, perm, key, device, check)
+    _count_step(plan)
+    bind(trace, outputs, results, executed, remaining)
+    return (id(plan) if key is not None else None), cached, device
+
+
+def _outcome(plan: StepPlan, produce, trace: Trace, executed: list[int], outputs: tuple, inputs: list, perm,
+             key: tuple | None, device: torch.device, check: StepCheck | None) -> tuple[list, StepPlan]:
+    """The step's results and the plan that made them: `produce()`'s (the plan's run), or, where that
+    fails, the same ops run by torch (the plan is given up for eager, with a warning); eager's error where a
+    value check says eager raises. Shared by the steps run at once and those run on the worker (`_defer`)."""
     refused = False
     try:
-        if graphed:
-            results = graphs.run_plan(plan, call_inputs, outputs, device)
-        else:
-            results = plan.runner(*call_inputs)
+        results = produce()
         if plan.value_check:
             *results, flag = results
             refused = bool(flag)    # an index out of range, a division by zero (cluster/value_checks.py)
@@ -257,13 +279,87 @@ def _run(trace: Trace, target: LazyTensor | None) -> tuple:
         check = None
     if check is not None:
         check.compare(program_from_trace(trace, executed, outputs), trace, outputs, results)
+    return results, plan
+
+
+def _count_step(plan: StepPlan) -> None:
     METRICS.steps += 1
+    _count_ops(plan)
+
+
+def _count_ops(plan: StepPlan) -> None:
     for op, count in plan.eager_ops.items():
         METRICS.note_fallback(op, count, plan.eager_dtypes.get(op, ()), plan.eager_sources.get(op))
     for op, count in plan.library_ops.items():
         METRICS.library_ops[op] += count
-    bind(trace, outputs, results, executed, remaining)
-    return (id(plan) if key is not None else None), cached, device
+
+
+# A cached plan's first runs stay on the main thread: its clusters time themselves on their second call
+# where PYDISC_MEASURE asks (exec/clusters.py), which a step recording next to them would disturb.
+DEFER_AFTER_CALLS = 2
+
+
+def _deferrable(plan: StepPlan, trace: Trace, outputs: tuple, device: torch.device, remaining: list[int],
+                key: tuple | None, graphed: bool, check: StepCheck | None) -> bool:
+    """Whether this step's run goes to the worker thread (inflight.py): a whole step on the CPU (not a read,
+    which needs its value now), from a cached plan of compiled clusters that has run before, neither
+    checked nor timed."""
+    return (CONFIG.async_cpu and device.type == "cpu" and key is not None and not remaining
+            and not graphed and check is None and plan.calls > DEFER_AFTER_CALLS
+            and not isinstance(plan.runner, Program) and inflight.deferrable(plan, trace, outputs))
+
+
+def _defer(plan: StepPlan, trace: Trace, executed: list[int], outputs: tuple, inputs: list, call_inputs: list,
+           perm, key: tuple, device: torch.device) -> bool:
+    """Prepare the step's compiled calls here, start them on the worker and return True; its results are
+    bound at the next wait (inflight.py), and the recorder starts the next step's trace now. False (nothing
+    started) where preparing them failed: the step then runs at once, as any other."""
+    copies = {}
+    for ident in inflight.user_inputs(trace):
+        for t in call_inputs:
+            if id(t) == ident:
+                copies[ident] = t.clone()
+                break
+    if copies:
+        # what the user can write without pydisc is read from copies (inflight.py), here and by a fallback
+        call_inputs = [copies.get(id(t), t) for t in call_inputs]
+        inputs = [copies.get(id(t), t) for t in inputs]
+    calls: list = []
+    try:
+        with collecting_calls(calls):
+            pending = plan.runner(*call_inputs)     # the results' tensors, filled by the calls
+    except Exception:
+        return False
+    notes = optimizer_state.taken()
+
+    def job():
+        for call in calls:
+            call.run()
+        return pending
+
+    def finish(results, error):
+        with RECORDER.lock:
+            def produce():
+                if error is not None:
+                    raise error
+                return results
+            try:
+                out, ran = _outcome(plan, produce, trace, executed, outputs, inputs, perm, key, device, None)
+            except BaseException:
+                # the step failed (eager's error): it is abandoned, and so is what was recorded after it
+                RECORDER.new_trace()
+                RECORDER.grad_inputs = []
+                optimizer_state.abandoned()
+                optimizer_state.restore(notes)
+                raise
+            if ran is not plan:       # given up for eager: its ops count as fallbacks, as for a step run at once
+                _count_ops(ran)
+            bind(trace, outputs, out, executed, [], fresh_trace=False)
+
+    _count_step(plan)
+    RECORDER.new_trace()
+    inflight.start(job, finish)
+    return True
 
 
 def _scalars(values: list, device: torch.device) -> torch.Tensor:

@@ -71,6 +71,12 @@ class CompiledCluster(torch.nn.Module):
             self.check(inputs, results)
         return results[0] if self.single else tuple(results)
 
+    def can_defer(self) -> bool:
+        """Whether its next call may be collected and run later on another thread
+        (`compiled.collecting_calls`): it runs compiled, and neither times nor checks itself."""
+        return not self.eager_faster and not CONFIG.check_every and (
+            self.decided or not applies(CONFIG.measure, self.device))
+
     def run_compiled(self, inputs) -> list:
         try:
             if self.prepare is None:
@@ -196,6 +202,9 @@ class CompiledRegion(CompiledCluster):
         self.demote = demote
         self.verified = False
         self.demoted = False
+
+    def can_defer(self) -> bool:
+        return self.verified and not self.demoted and super().can_defer()
 
     def forward(self, *inputs):
         if self.demoted:

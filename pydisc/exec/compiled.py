@@ -7,7 +7,8 @@ an input, a module whose results must be staged) takes a slower branch without s
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import iree.runtime as ireert
 import torch
@@ -18,7 +19,7 @@ from .errors import CompileError, DeviceOutOfMemoryError, ExecutionError, is_out
 from .session import DeviceSession, cuda_context, vm_instance
 from .tensors import ALIGNMENT, StagedOutput, dense_copy, is_dense
 
-__all__ = ["CompiledModule"]
+__all__ = ["CompiledModule", "PreparedCall", "collecting_calls"]
 
 _ENTRY = "main"
 # torch's raw current-device calls (~0.2 us; torch.cuda.current_device adds a Python wrapper). Absent in
@@ -94,7 +95,15 @@ class CompiledModule:
         METRICS.executions += 1
 
     def _invoke(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+        call = self._prepare(inputs, outputs)
+        if _COLLECTING.calls is not None:
+            _COLLECTING.calls.append(call)
+            return
+        call.invoke()
+
+    def _prepare(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> PreparedCall:
         imp = self._import
+        held: list = []     # what the imported buffers point into, alive until the call has run
         args = ireert.VmVariantList(len(inputs) + len(outputs))
         out_ptrs = {o.untyped_storage().data_ptr() for o in outputs if o.numel()}
         on_cuda = self._on_cuda
@@ -108,12 +117,14 @@ class CompiledModule:
                 # scalar): imported as is, IREE's kernels would dereference a host address
                 t = t.to(self.device)
                 copied = True
+                held.append(t)
             # is_dense inlined (hot path); for a dense input data_ptr is its storage's base pointer.
             if not (t.is_contiguous() and t.storage_offset() == 0 and (ptr := t.data_ptr()) % ALIGNMENT == 0) or (
                 ptr in out_ptrs and t.numel()
             ):
                 t = dense_copy(t)  # IREE needs dense memory, and an input must not share an output's memory
                 copied = True
+                held.append(t)
             args.push_ref(imp(to_dlpack(t)))
         copy_back: list = []
         staged = self.staged_outputs
@@ -122,6 +133,7 @@ class CompiledModule:
                 dense = dense_copy(o)
                 copy_back.append(_DenseOutput(o, dense))
                 o = dense
+                held.append(o)
             if staged and o.numel():
                 if self._import_output is not None:
                     args.push_ref(self._import_output(o))
@@ -135,9 +147,7 @@ class CompiledModule:
             # the copies above are queued on torch's stream, which IREE's own stream does not wait for
             # (`run` synchronised before they were made): without this IREE can read them unfinished
             torch.cuda.current_stream(self._cuda_index).synchronize()
-        self._context.invoke(self._function, args, ireert.VmVariantList(len(outputs)))
-        for c in copy_back:
-            c.copy_back()
+        return PreparedCall(self, args, len(outputs), copy_back, (inputs, outputs, held))
 
     def _execution_error(
         self, error: Exception, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]
@@ -165,6 +175,53 @@ class CompiledModule:
             f"{len(outputs)} outputs: {hint}.\nIREE said: {detail_text}",
             function=f"{self.name}.{_ENTRY}",
         )
+
+
+class PreparedCall:
+    """One call of a module with its arguments imported, ready to invoke (`invoke`), on any thread: IREE's
+    invoke runs without the GIL. Holds the tensors the arguments point into until then."""
+
+    __slots__ = ("module", "args", "n_outputs", "copy_back", "held")
+
+    def __init__(self, module: CompiledModule, args, n_outputs: int, copy_back: list, held: tuple) -> None:
+        self.module = module
+        self.args = args
+        self.n_outputs = n_outputs
+        self.copy_back = copy_back
+        self.held = held
+
+    def invoke(self) -> None:
+        m = self.module
+        m._context.invoke(m._function, self.args, ireert.VmVariantList(self.n_outputs))
+        for c in self.copy_back:
+            c.copy_back()
+
+    def run(self) -> None:
+        """`invoke`, with the errors `CompiledModule.run` gives (for a call prepared while collecting)."""
+        try:
+            self.invoke()
+        except Exception as e:
+            raise self.module._execution_error(e, *self.held[:2]) from e
+
+
+class _Collecting:
+    calls: list | None = None
+
+
+_COLLECTING = _Collecting()
+
+
+@contextmanager
+def collecting_calls(calls: list) -> Iterator[list]:
+    """Within it, on this thread, `CompiledModule.run` prepares its call (imports, outputs) and appends it
+    to `calls` rather than invoking it; whoever collected runs them later, in order (`PreparedCall.run`):
+    a step run on a worker thread (driver/inflight.py). For CPU modules whose callers read no results
+    before then."""
+    _COLLECTING.calls = calls
+    try:
+        yield calls
+    finally:
+        _COLLECTING.calls = None
 
 
 class _HostImport:

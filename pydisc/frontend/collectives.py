@@ -59,6 +59,8 @@ def run_collective(func, args, kwargs):
     """Run `func` as a cut: the pending step first, then the op on device data."""
     if RECORDER.trace.entries:
         RECORDER.run(None, "collective %s" % func)
+    if RECORDER.in_flight is not None:
+        RECORDER.in_flight("collective %s" % func)
     lazy_of: dict[int, LazyTensor] = {}
 
     def unwrap(a):

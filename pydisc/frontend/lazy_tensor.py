@@ -114,6 +114,10 @@ class Recorder(SymbolicInputs):
         self.grad_inputs: list[tuple[torch.Tensor, LazyTensor]] = []
         # frontend/fast.py, where installed: the device data of a fast value read before mark_step
         self.fast_read: Callable[[LazyTensor], torch.Tensor] | None = None
+        # While the step before runs on a worker thread (pydisc/driver/inflight.py): the driver's wait for
+        # it, `in_flight(reason)`, which binds its results. Called before device data is read and before
+        # a result of that step is used; the next step's recording does not otherwise wait.
+        self.in_flight: Callable[[str], None] | None = None
 
     def run(self, t: LazyTensor | None, reason: str) -> None:
         """Run the pending trace (all of it, or at least what `t` needs) through the driver's hook, for a
@@ -152,6 +156,8 @@ class Recorder(SymbolicInputs):
         trace = self.trace
         if t._epoch == trace.epoch:
             return ValueRef(t._vid)
+        if t._real is None and self.in_flight is not None:
+            self.in_flight("a result of the step before")
         if t._real is None:
             if t._fid is not None or t._redirect is not None:
                 raise RuntimeError("pydisc: a value recorded at __torch_function__ reached the dispatcher "
@@ -259,6 +265,9 @@ class Recorder(SymbolicInputs):
 
     # ---- eager execution -------------------------------------------------------------------------
     def run_eager(self, func, args, kwargs, info: OpInfo, *, fallback: bool, count: bool = True):
+        if self.in_flight is not None and not (info.is_view and not info.written_args):
+            self.in_flight(str(func))     # device data is read or written (a view only points into it)
+
         def unwrap(a):
             if isinstance(a, LazyTensor):
                 return a._real if self.is_clean(a) else materialize(a, reason=str(func))
@@ -590,6 +599,8 @@ def install_driver(run: Callable[[LazyTensor | None, str], None], prune: Callabl
 
 def materialize(t: LazyTensor, *, reason: str = "read") -> torch.Tensor:
     """Device data of `t`, running the pending ops it needs first."""
+    if RECORDER.in_flight is not None:
+        RECORDER.in_flight(reason)
     if t._fid is not None or t._redirect is not None:
         return RECORDER.fast_read(t)
     if not RECORDER.is_clean(t):

@@ -75,6 +75,8 @@ def release_all(into: list | None = None, kept_into: list | None = None) -> tupl
     with RECORDER.lock:
         if RECORDER.trace.entries:
             raise RuntimeError("pydisc: release_all() with ops pending; call pydisc.mark_step() first")
+        if RECORDER.in_flight is not None:
+            RECORDER.in_flight("release")
         lazies = [o for o in gc.get_objects() if type(o) is LazyTensor]   # (no __class__ lookups)
         grads = _grads_detached(lazies)
         released = kept = 0

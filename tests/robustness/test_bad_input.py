@@ -619,7 +619,9 @@ def test_values_eager_refuses_raise_as_eager_does(name):
         fn(*bad)
     got = fn(*[pydisc.to_lazy(a) for a in bad])
     with pytest.raises(type(expected.value), match=re.escape(str(expected.value).splitlines()[0])):
+        # where the step runs on the worker thread (PYDISC_ASYNC, the CPU), at the wait for it
         pydisc.mark_step()
+        pydisc.synchronize()
     assert pydisc.metrics()["executions"] > executions    # the compiled step ran, and refused the value
     pydisc.mark_step()
     want = fn(*good)

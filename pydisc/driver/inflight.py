@@ -1,0 +1,172 @@
+"""A compiled CPU step that runs on a worker thread while the next step records (`PYDISC_ASYNC`).
+
+On the CPU a compiled step runs on the calling thread (IREE's `local-sync` driver). Recording is Python
+on the main thread, IREE's kernels are native code that runs without the GIL, so the two can overlap on
+two cores: `mark_step` starts the step's plan on a worker thread and returns, the next step records
+meanwhile, and the step's results are bound when something needs them. This is what PyTorch/XLA does
+with its devices, and what a CUDA stream gives a GPU for free.
+
+What waits for the run (`wait`), on the main thread:
+- the next `mark_step` or any run of pending ops (its inputs are this run's results);
+- any read of device data of a lazy tensor: `.item()`, printing, an op that runs eagerly, a lazy tensor
+  made plain, a collective; a value only this run computes, used by the next step;
+- `pydisc.synchronize()`, `pydisc.metrics()`, and the interpreter's exit.
+Each wait is counted by its reason in `metrics()["async_waits"]`; the time the main thread spent
+waiting in `async_wait_seconds`.
+
+Only the IREE calls run on the worker. The plan's graph runs on the main thread as at any step, but
+each compiled cluster's call is prepared there (its outputs allocated, its arguments imported) and
+collected rather than invoked (`exec.compiled.collecting_calls`); the worker then only invokes them in
+order, which needs the GIL once per call (a worker that ran Python next to the recording main thread
+waited for the GIL more than it ran: 2-core VM, transformer block, 3.5 ms per run instead of 2.0).
+So a plan is deferred only where its graph is compiled clusters and nothing else: no op torch runs
+(which would read the clusters' results before they exist, or draw random numbers in another order
+than the main thread's), no cluster that times or checks itself (`PYDISC_MEASURE`, `PYDISC_CHECK`).
+
+What else a deferred run may not do:
+- write memory the user can reach without pydisc: inputs of the step (module inputs, `to_lazy`) that it
+  writes in place (parameters and optimizer state are reached only through lazy tensors, which wait);
+- read memory the user can write without pydisc: step inputs and eager tensors captured by reference
+  are copied before the run starts (a training loop that refills its input buffer right after
+  `mark_step` would otherwise race with the run).
+
+A run that fails is handled at the wait as `mark_step` handles it: the plan is given up for eager and
+the step's ops run in torch; a value eager raises on (`cluster/value_checks.py`) raises eager's error
+there, and the optimizers' eager counters of the step are put back (`optimizer_state`).
+"""
+from __future__ import annotations
+
+import operator
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..exec.clusters import CompiledCluster
+from ..frontend.lazy_tensor import RECORDER
+from ..metrics import METRICS
+from .engine import ENGINE
+
+__all__ = ["InFlight", "Worker", "deferrable", "user_inputs", "start", "wait", "running"]
+
+# While a run is in flight the main thread records (Python, holding the GIL) and the worker needs the GIL
+# twice per run, to start the plan's Python and to hand its results back. A thread that waits for the GIL
+# gets it after the switch interval (5 ms by default), longer than a small CPU step: it is shortened
+# while runs are in flight (2-core VM, transformer block: 2.74 ms per step at 5 ms, 2.53 at 0.5 ms, 2.50 at 0.02 ms).
+SWITCH_INTERVAL = 0.0002
+
+
+class InFlight:
+    """One plan run on the worker: `job()` there; `finish(results, error)` on the main thread at `wait`."""
+
+    __slots__ = ("job", "finish", "done", "results", "error")
+
+    def __init__(self, job: Callable[[], list], finish: Callable[[list | None, BaseException | None], None]):
+        self.job = job
+        self.finish = finish
+        self.done = threading.Event()
+        self.results: list | None = None
+        self.error: BaseException | None = None
+
+
+class Worker:
+    """One daemon thread that runs the jobs handed to it, one at a time."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name="pydisc-run", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            run = self.jobs.get()
+            try:
+                run.results = run.job()
+            except BaseException as exc:    # handed to the main thread, raised or handled there
+                run.error = exc
+            run.job = None
+            run.done.set()
+            run = None      # nothing of the step stays alive in this frame (the interpreter's exit frees it)
+
+
+def deferrable(plan, trace, outputs: tuple) -> bool:
+    """Whether `plan` may run on the worker for this step (the module docstring says what may not): its
+    runner is compiled clusters only, whose calls are prepared on the main thread and invoked on the
+    worker (`exec.compiled.collecting_calls`), and it writes no step input in place."""
+    clusters = _clusters(plan)
+    if clusters is None or not all(c.can_defer() for c in clusters):
+        return False
+    for kind, index in outputs:
+        if kind == "base" and trace.input_storages[index].ordinal >= 0:
+            return False        # a write into a step input: the user's own tensor
+    return True
+
+
+def _clusters(plan) -> list | None:
+    """The compiled clusters of a plan whose graph has nothing else (but the picking of their results),
+    else None; found once per plan."""
+    found = plan.deferred_clusters
+    if found is False:
+        return None
+    if found is not None:
+        return found
+    runner = plan.runner
+    found = False
+    if isinstance(runner, torch.fx.GraphModule) and not plan.eager_ops and not plan.library_ops:
+        clusters = []
+        for node in runner.graph.nodes:
+            if node.op == "call_module" and isinstance(getattr(runner, node.target), CompiledCluster):
+                clusters.append(getattr(runner, node.target))
+            elif node.op not in ("placeholder", "output") and not (
+                    node.op == "call_function" and node.target is operator.getitem):
+                break
+        else:
+            found = clusters
+    plan.deferred_clusters = found
+    return found or None
+
+
+def user_inputs(trace) -> set[int]:
+    """ids of the step's input tensors the user can write without pydisc: step inputs, eager tensors."""
+    ids = {id(t) for t in trace.real_inputs}
+    for storage, t in zip(trace.input_storages, trace.storage_inputs):
+        if storage.ordinal >= 0:
+            ids.add(id(t))
+    return ids
+
+
+def running() -> bool:
+    return ENGINE.in_flight is not None
+
+
+def start(job: Callable[[], list], finish: Callable[[list | None, BaseException | None], None]) -> None:
+    """Run `job` on the worker; `finish` binds its results at the next `wait`. Call with none in flight."""
+    assert ENGINE.in_flight is None, "a run is already in flight"
+    if ENGINE.worker is None:
+        ENGINE.worker = Worker()
+    ENGINE.shorten_interval("in flight", SWITCH_INTERVAL)
+    run = InFlight(job, finish)
+    ENGINE.in_flight = run
+    RECORDER.in_flight = wait
+    METRICS.async_runs += 1
+    ENGINE.worker.jobs.put(run)
+
+
+def wait(reason: str = "wait") -> None:
+    """Wait for the run in flight, if any, and bind its results (or handle its failure)."""
+    run = ENGINE.in_flight
+    if run is None:
+        return
+    ENGINE.in_flight = None
+    RECORDER.in_flight = None
+    if not run.done.is_set():
+        started = time.perf_counter()
+        run.done.wait()
+        METRICS.async_wait_seconds += time.perf_counter() - started
+    METRICS.async_waits[reason] += 1
+    ENGINE.restore_interval("in flight")
+    finish, results, error = run.finish, run.results, run.error
+    run.finish = run.results = run.error = None
+    finish(results, error)
