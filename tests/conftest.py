@@ -54,6 +54,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
 
 
 @pytest.fixture(autouse=True)
+def _no_step_outlives_its_test():
+    """A step a test left running on the worker thread (PYDISC_ASYNC) finishes within that test."""
+    yield
+    import pydisc
+
+    pydisc.synchronize()
+
+
+@pytest.fixture(autouse=True)
 def _no_symbolic_state_outlives_its_step():
     """Between steps pydisc leaves torch's global dispatch state as it found it: a symbolic step's Python
     dispatcher and hidden Python kernels end with the step (one left on once made later tests trace

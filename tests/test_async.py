@@ -1,0 +1,224 @@
+"""Compiled CPU steps that run on the worker thread while the next step records (PYDISC_ASYNC,
+pydisc/driver/inflight.py), against eager: every way of reaching a step's data waits for it, a step never
+reads what the user changed after `mark_step`, and a step that fails there is handled as at `mark_step`."""
+import re
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pydisc
+from pydisc.config import CONFIG
+from pydisc.driver.engine import ENGINE
+from pydisc.driver.inflight import InFlight, Worker
+from pydisc.exec.compiled import PreparedCall
+
+STEPS = 6
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 6, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(n)]
+
+
+def _step(model, opt, x, y) -> torch.Tensor:
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+@pytest.fixture
+def fresh():
+    pydisc.clear_plans()
+    pydisc.reset_metrics()
+    yield
+    pydisc.synchronize()
+
+
+def _pair():
+    eager = _model()
+    lazy = pydisc.lazy(_model())
+    make = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)  # noqa: E731
+    return eager, make(eager), lazy, make(lazy)
+
+
+def test_training_equals_eager_and_the_dispatch_ordered_run(fresh, monkeypatch):
+    """Losses read one step late (after the next step recorded, as a loop that logs does) and the final
+    parameters equal eager's and those of the same run with PYDISC_ASYNC=0."""
+    results = {}
+    for on in (True, False):
+        monkeypatch.setattr(CONFIG, "async_cpu", on)
+        pydisc.clear_plans()
+        pydisc.reset_metrics()
+        eager, eager_opt, lazy, lazy_opt = _pair()
+        losses, want, pending = [], [], None
+        for x, y in _batches(STEPS):
+            want.append(_step(eager, eager_opt, x, y).item())
+            got = _step(lazy, lazy_opt, x, y)
+            if pending is not None:
+                losses.append(pending.item())   # a value of the step that may still run on the worker
+            pydisc.mark_step()
+            pending = got
+        losses.append(pending.item())
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-5, atol=1e-6)
+        params = [p.detach().clone() for p in lazy.parameters()]
+        for p, q in zip(params, eager.parameters()):
+            torch.testing.assert_close(p, q.detach(), rtol=1e-5, atol=1e-6)
+        results[on] = (losses, params, pydisc.metrics())
+    (losses_on, params_on, m_on), (losses_off, params_off, m_off) = results[True], results[False]
+    assert m_on["async_runs"] >= STEPS - 3 and m_off["async_runs"] == 0
+    assert losses_on == losses_off
+    for a, b in zip(params_on, params_off):
+        assert torch.equal(a, b)
+
+
+def _blocked_worker():
+    """Holds the worker until the returned event is set: the next deferred run queues behind it."""
+    if ENGINE.worker is None:
+        ENGINE.worker = Worker()
+    gate = threading.Event()
+    ENGINE.worker.jobs.put(InFlight(lambda: gate.wait(30), lambda *a: None))
+    return gate
+
+
+def test_an_input_refilled_after_mark_step_is_not_read_by_the_step(fresh):
+    """A loop that copies the next batch into its input buffer right after mark_step: the step still
+    running must read the batch it was given (its copy), not the next one."""
+    eager, eager_opt, lazy, lazy_opt = _pair()
+    batches = _batches(STEPS + 1)
+    buf_x, buf_y = batches[0][0].clone(), batches[0][1].clone()
+    for k in range(STEPS):
+        x, y = batches[k]
+        want = _step(eager, eager_opt, x, y).item()
+        got = _step(lazy, lazy_opt, buf_x, buf_y)
+        gate = _blocked_worker() if k >= 4 else None
+        pydisc.mark_step()
+        buf_x.copy_(batches[k + 1][0])      # the next batch, while this step waits on the worker
+        buf_y.copy_(batches[k + 1][1])
+        if gate is not None:
+            gate.set()
+        torch.testing.assert_close(got.item(), want, rtol=1e-5, atol=1e-6)
+    assert pydisc.metrics()["async_runs"] >= 2
+    for p, q in zip(lazy.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_reads_of_a_step_in_flight_wait_for_it(fresh):
+    """Every way of reaching a parameter's data while its step runs on the worker gives the updated
+    values: an eager op, .item(), state_dict(), a clone; each wait is counted by what waited."""
+    eager, eager_opt, lazy, lazy_opt = _pair()
+    batches = _batches(STEPS)
+    reads = [
+        lambda m: m[0].weight.sum().item(),
+        lambda m: m.state_dict()["2.bias"].tolist(),
+        lambda m: m[2].weight.detach().clone().numpy().tolist(),
+        lambda m: torch.mm(m[0].weight.detach(), torch.ones(6, 1)).flatten().tolist(),
+    ]
+    for k, (x, y) in enumerate(batches):
+        _step(eager, eager_opt, x, y)
+        _step(lazy, lazy_opt, x, y)
+        gate = _blocked_worker() if k >= 3 else None
+        pydisc.mark_step()
+        if gate is not None:
+            threading.Timer(0.05, gate.set).start()    # the read below starts while the step waits
+        read = reads[k % len(reads)]
+        with torch.no_grad():
+            got, want = read(lazy), read(eager)
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-6)
+    m = pydisc.metrics()
+    assert m["async_runs"] >= 3 and sum(m["async_waits"].values()) >= m["async_runs"]
+    assert set(m["async_waits"]) - {"mark_step", "synchronize", "metrics"}, m["async_waits"]
+
+
+def test_a_run_that_fails_on_the_worker_falls_back_to_eager(fresh, monkeypatch):
+    """An IREE call that raises on the worker: the step's ops run in torch at the wait, with one warning,
+    the plan is given up for eager, and training still equals eager."""
+    eager, eager_opt, lazy, lazy_opt = _pair()
+    real = PreparedCall.run
+    failed = []
+
+    def run(self):
+        if not failed and threading.current_thread().name == "pydisc-run":
+            failed.append(self)
+            raise RuntimeError("injected failure")
+        return real(self)
+
+    monkeypatch.setattr(PreparedCall, "run", run)
+    with pytest.warns(pydisc.PydiscWarning, match="running a compiled step failed"):
+        for x, y in _batches(STEPS):
+            _step(eager, eager_opt, x, y)
+            _step(lazy, lazy_opt, x, y)
+            pydisc.mark_step()
+        pydisc.synchronize()
+    assert failed and pydisc.metrics()["compile_failures"]["runtime:RuntimeError"] == 1
+    for p, q in zip(lazy.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_an_index_out_of_range_raises_at_the_wait_and_rolls_back_the_step(fresh):
+    """Adam on an embedding: a bad index in a step that ran on the worker raises eager's IndexError at
+    the wait; the step is abandoned (parameters, moments and Adam's step counters as before it), so
+    training on good batches afterwards equals eager's, which raised in that step's forward."""
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Flatten(), torch.nn.Linear(24, 3))
+
+    eager, lazy = model(), pydisc.lazy(model())
+    eager_opt, lazy_opt = (torch.optim.Adam(m.parameters(), lr=0.05) for m in (eager, lazy))
+    g = torch.Generator().manual_seed(2)
+    good = [(torch.randint(0, 10, (4, 3), generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(7)]
+    bad = (torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 12], [0, 1, 2]]), good[0][1])
+    for x, y in good[:4]:
+        _step(eager, eager_opt, x, y)
+        _step(lazy, lazy_opt, x, y)
+        pydisc.mark_step()
+    assert pydisc.metrics()["async_runs"] >= 1
+    with pytest.raises(IndexError) as expected:
+        _step(eager, eager_opt, *bad)
+    eager_opt.zero_grad()
+    _step(lazy, lazy_opt, *bad)
+    with pytest.raises(IndexError, match=re.escape(str(expected.value).splitlines()[0])):
+        pydisc.mark_step()
+        pydisc.synchronize()
+    for x, y in good[4:]:
+        _step(eager, eager_opt, x, y)
+        _step(lazy, lazy_opt, x, y)
+        pydisc.mark_step()
+    for p, q in zip(lazy.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-6)
+    for a, b in zip(lazy_opt.state.values(), eager_opt.state.values()):
+        assert a["step"].item() == b["step"].item()
+        torch.testing.assert_close(a["exp_avg"].cpu(), b["exp_avg"], rtol=1e-5, atol=1e-6)
+
+
+def test_a_step_that_writes_its_input_in_place_runs_at_once(fresh):
+    """A forward that writes into the user's own input tensor (`x.mul_`) is not deferred: the write is
+    the user's to see right after mark_step, as in eager."""
+    eager, eager_opt, lazy, lazy_opt = _pair()
+
+    class Scaled(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            x.mul_(0.5)
+            return self.inner(x)
+
+    eager, lazy = Scaled(eager), pydisc.lazy(Scaled(_model()))
+    lazy_opt = torch.optim.SGD(lazy.parameters(), lr=0.1, momentum=0.9)
+    for x, y in _batches(STEPS):
+        xe, xl = x.clone(), x.clone()
+        _step(eager, eager_opt, xe, y)
+        _step(lazy, lazy_opt, xl, y)
+        pydisc.mark_step()
+        assert torch.equal(xl, xe)      # read at once, as a plain tensor: no wait could cover it
+    assert pydisc.metrics()["async_runs"] == 0
