@@ -4,15 +4,21 @@ For each model, one training step (forward, backward, SGD with momentum) is time
   - pydisc: from the start of the step until just before `mark_step()` (recording only), divided by
     the step's recorded entries (ATen ops through the dispatcher, plus the calls recorded at
     `__torch_function__` on the fast path, docs/fast_recording.md); `mark_step()` on the warm plan (plan
-    cache hit) is timed on its own; both recording paths side by side unless `--fast on|off`;
+    cache hit) is timed on its own; both recording paths side by side unless `--fast on|off`. With
+    PYDISC_ASYNC on (the default) a step's compiled run goes to a worker thread and `mark_step()` returns;
+    the next `mark_step()` waits for it (the `wait` column), so record + mark_step per step is the
+    step's wall time in a training loop;
   - eager: the whole step, divided by the number of ATen ops it runs (counted once with a
     TorchDispatchMode, so the count includes the ops autograd runs in backward).
 Medians over repeats after warm-up steps (which also compile the pydisc plans); `--stat min` takes the
 fastest step instead, the better figure on a machine shared with other jobs (their load only ever adds
-time). The eager and pydisc steps alternate, so the record/eager ratio sees the same load.
+time). Eager and pydisc take turns in blocks of 10 steps, so the ratios see the same load; the last
+column is the ratio of a pydisc block's wall time (up to `pydisc.synchronize()` after its last step) to
+the eager block's before it, the statistic taken over blocks.
 
     python bench/record_overhead.py [--repeats 50] [--stat median|min] [--fast both|on|off]
         [--models mlp,block,gpt-char,bert-mlm,hf-gpt2]
+    PYDISC_ASYNC=0 python bench/record_overhead.py ...     # mark_step returns when the step has run
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # Recording is what is timed: the measured step choice would switch these small CPU steps to eager.
 os.environ.setdefault("PYDISC_STEP_CHOICE", "off")
 import pydisc  # noqa: E402
+from pydisc.metrics import METRICS  # noqa: E402  (counters read without waiting for a step in flight)
 
 
 class MLP(nn.Module):
@@ -140,11 +147,13 @@ class Result:
     eager_step_ms: float
     record_ms: float
     mark_step_ms: float
-    lookup_bind_ms: float    # mark_step minus its runner: key, plan cache lookup, binding results
+    lookup_bind_ms: float    # mark_step minus its runner and its wait: key, plan cache lookup, binding results
+    wait_ms: float           # in mark_step, waiting for the step before to finish on the worker (PYDISC_ASYNC)
+    total_ms: float          # a lazy step's share of its block's wall time, synchronised at the end, at eager's scale
 
 
 def measure(workload: Workload, repeats: int, warmup: int, stat: Callable[[list[float]], float],
-            fast_record: bool) -> Result:
+            fast_record: bool, block: int = 10) -> Result:
     torch.manual_seed(0)
     eager = workload.make_model()
     lazy = pydisc.lazy(copy.deepcopy(eager), fast_record=fast_record)
@@ -167,37 +176,48 @@ def measure(workload: Workload, repeats: int, warmup: int, stat: Callable[[list[
     with counter:
         step(eager, eager_opt)
 
-    eager_s, record_s, mark_s, recorded = [], [], [], []
-    for _ in range(repeats):
+    # Blocks of `block` steps of each, taking turns: with PYDISC_ASYNC a lazy step's run overlaps what the
+    # main thread does next, which must be the next lazy step, not an eager one (whose time it would hide).
+    eager_s, record_s, mark_s, wait_s, recorded, blocks = [], [], [], [], [], []
+    for _ in range(max(1, repeats // block)):
         started = time.perf_counter()
-        step(eager, eager_opt)
-        eager_s.append(time.perf_counter() - started)
+        for _ in range(block):
+            step_started = time.perf_counter()
+            step(eager, eager_opt)
+            eager_s.append(time.perf_counter() - step_started)
+        eager_block = time.perf_counter() - started
 
-        m = pydisc.metrics()
-        ops_before = m["recorded_ops"] + m["fast_entries"]
         started = time.perf_counter()
-        step(lazy, lazy_opt)
-        recorded_at = time.perf_counter()
-        pydisc.mark_step()
-        mark_s.append(time.perf_counter() - recorded_at)
-        record_s.append(recorded_at - started)
-        m = pydisc.metrics()
-        recorded.append(m["recorded_ops"] + m["fast_entries"] - ops_before)
+        for _ in range(block):
+            ops_before = METRICS.recorded_ops + METRICS.fast_entries
+            waited = METRICS.async_wait_seconds
+            step_started = time.perf_counter()
+            step(lazy, lazy_opt)
+            recorded_at = time.perf_counter()
+            pydisc.mark_step()
+            mark_s.append(time.perf_counter() - recorded_at)
+            record_s.append(recorded_at - step_started)
+            wait_s.append(METRICS.async_wait_seconds - waited)
+            recorded.append(METRICS.recorded_ops + METRICS.fast_entries - ops_before)
+        pydisc.synchronize()        # the block's last step has run
+        blocks.append((time.perf_counter() - started) / eager_block)
     if len(set(recorded)) != 1:
         raise RuntimeError("recorded op count changed between repeats: %s" % sorted(set(recorded)))
-    if len(run_s) != repeats:
-        raise RuntimeError("expected one warm plan run per step, got %d runs in %d steps" % (len(run_s), repeats))
+    if len(run_s) != len(record_s):
+        raise RuntimeError("expected one warm plan run per step, got %d runs in %d steps" % (len(run_s), len(record_s)))
     ms = lambda seconds: 1e3 * stat(seconds)  # noqa: E731
     name = workload.name + (", fast" if fast_record else ", dispatch")
     return Result(name, counter.count, 1e3 * ms(eager_s) / counter.count, recorded[0],
                   1e3 * ms(record_s) / recorded[0], ms(eager_s), ms(record_s), ms(mark_s),
-                  ms([m - r for m, r in zip(mark_s, run_s)]))
+                  ms([m - r - w for m, r, w in zip(mark_s, run_s, wait_s)]), ms(wait_s),
+                  stat(blocks) * ms(eager_s))
 
 
 def _time_runners() -> list[float]:
     """Wrap the runner of every cached step plan so its calls are timed. This reaches into pydisc's
     plan cache (there is no public hook): what is left of mark_step is the key build, the cache
-    lookup and binding the results to the lazy tensors."""
+    lookup and binding the results to the lazy tensors (and, with PYDISC_ASYNC, waiting for the step
+    before, timed apart; the runner then only prepares the IREE calls the worker makes)."""
     from pydisc.driver.engine import ENGINE
 
     seconds: list[float] = []
@@ -236,18 +256,19 @@ def main() -> None:
     paths = {"both": (False, True), "on": (True,), "off": (False,)}[args.fast]
     workloads = [WORKLOADS[name] for name in args.models.split(",")]
     results = [measure(w, args.repeats, args.warmup, stat, path) for w in workloads for path in paths]
-    print("torch %s, %d thread(s), %s of %d steps after %d warm-up steps"
-          % (torch.__version__, torch.get_num_threads(), args.stat, args.repeats, args.warmup))
+    print("torch %s, %d thread(s), %s of %d steps after %d warm-up steps, PYDISC_ASYNC=%d"
+          % (torch.__version__, torch.get_num_threads(), args.stat, args.repeats, args.warmup,
+             pydisc.config.CONFIG.async_cpu))
     print()
     print("| model, recording path | eager ATen ops | eager us/op | recorded entries | record us/entry "
-          "| eager step | pydisc record + mark_step (lookup+bind / run) | record / eager step "
+          "| eager step | pydisc record + mark_step (lookup+bind / run / wait) | record / eager step "
           "| (record + mark_step) / eager step |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
-        print("| %s | %d | %.1f | %d | %.1f | %.2f ms | %.2f + %.2f ms (%.2f / %.2f) | %.2fx | %.2fx |" % (
+        print("| %s | %d | %.1f | %d | %.1f | %.2f ms | %.2f + %.2f ms (%.2f / %.2f / %.2f) | %.2fx | %.2fx |" % (
             r.name, r.eager_ops, r.eager_us_per_op, r.recorded_ops, r.record_us_per_op, r.eager_step_ms,
-            r.record_ms, r.mark_step_ms, r.lookup_bind_ms, r.mark_step_ms - r.lookup_bind_ms,
-            r.record_ms / r.eager_step_ms, (r.record_ms + r.mark_step_ms) / r.eager_step_ms))
+            r.record_ms, r.mark_step_ms, r.lookup_bind_ms, r.mark_step_ms - r.lookup_bind_ms - r.wait_ms,
+            r.wait_ms, r.record_ms / r.eager_step_ms, r.total_ms / r.eager_step_ms))
 
 
 if __name__ == "__main__":
