@@ -52,6 +52,9 @@ def metrics_report(top: int = 10) -> str:
                      "(PYDISC_GPU_MATMUL=iree, on the CPU PYDISC_CPU_MATMUL=iree, compiles them too), softmax, "
                      "scatters, max pooling and concatenations, slow in IREE's code" % (
             sum(m.library_ops.values()), ", ".join("%s x%d" % kv for kv in m.library_ops.most_common(4))))
+    if m.async_runs:
+        lines.append("  run on the worker    %d steps while the next recorded; waited %.2f s for them, at %s" % (
+            m.async_runs, m.async_wait_seconds, ", ".join("%s x%d" % kv for kv in m.async_waits.most_common(4))))
     if m.background_compiles:
         lines.append("  built in background  %d plans, %.1f s; %d steps ran eagerly meanwhile" % (
             m.background_compiles, m.background_seconds, m.steps_while_compiling))
