@@ -24,6 +24,7 @@ from ..diagnostics import log, warn_once
 from ..exec import graphs
 from ..frontend.release import release_all, restore
 from ..metrics import METRICS
+from . import inflight
 from .engine import ENGINE, ChoiceState, ReadRuns
 
 __all__ = ["after_mark_step", "distributed", "holds_passthrough", "measuring", "note_read_run", "reset"]
@@ -63,9 +64,13 @@ def measuring() -> bool:
 _host_clock = time.perf_counter
 
 
-def _now(device: torch.device) -> float:
+def _now(device: torch.device, settle: bool = True) -> float:
+    """The time once the device has run what was queued (a compiled CPU step may still run on the worker
+    thread: inflight.py); `settle=False` on the CPU: the time now, such a step still running."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    elif settle:
+        inflight.wait("step choice")
     return time.perf_counter()
 
 
@@ -217,14 +222,17 @@ def _end_probe(s: ChoiceState) -> None:
 
 def _window_done(s: ChoiceState, mode: str) -> bool:
     """Count a step of `mode`; at the end of its window, its time per step (and the next window starts).
-    The timer starts once the window's first step is done."""
+    The timer starts once the window's first step is done. A compiled window on the CPU ends when its
+    last mark_step returns, that step's run maybe still going on the worker thread (inflight.py): it
+    started with none running, so its first step recorded with nothing beside it, and in a run of such
+    steps each costs what one costs in the window (waiting for it at the end would count a run twice)."""
     s.steps += 1
     if s.steps == 1:
         s.started = _now(s.device)
         return False
     if s.steps <= WINDOW:
         return False
-    s.times[mode].append((_now(s.device) - s.started) / WINDOW)
+    s.times[mode].append((_now(s.device, settle=mode != "compiled") - s.started) / WINDOW)
     s.steps = 0
     log("plans", "step choice: %s window, %.2f ms per step", mode, 1e3 * s.times[mode][-1])
     return True
@@ -256,7 +264,8 @@ def _decide(s: ChoiceState) -> None:
 
 def _watch(s: ChoiceState, key) -> None:
     """Compiled steps kept on the CPU: the host time from one `mark_step` to the next is noted (a CPU step
-    has run when its mark_step returns) where both steps ran plans that the
+    has run when its mark_step returns, or, run on the worker thread, when the next one's has waited for
+    it: in a run of steps, the same time per step) where both steps ran plans that the
     compiled windows ran (`key`: None for a step that planned; a loop that turns to other steps, say
     sampling after training, is not the machine changing), and the median of each `WATCH` of them
     compared with the compiled windows' time per step (a median, because what the loop does between

@@ -402,7 +402,7 @@ def test_step_choice_windows_take_turns_and_the_fastest_counts(step_choice_cpu, 
     from pydisc.frontend.lazy_tensor import RECORDER
 
     clock = [0.0]
-    monkeypatch.setattr(step_choice, "_now", lambda device: clock[0])
+    monkeypatch.setattr(step_choice, "_now", lambda device, settle=True: clock[0])
     monkeypatch.setattr(step_choice, "release_all", lambda into=None, kept_into=None: (0, 0))
     cpu = torch.device("cpu")
 
@@ -441,7 +441,7 @@ def _faked_steps(monkeypatch, device: torch.device):
     from pydisc.frontend.lazy_tensor import RECORDER
 
     clock = [0.0]
-    monkeypatch.setattr(step_choice, "_now", lambda device: clock[0])
+    monkeypatch.setattr(step_choice, "_now", lambda device, settle=True: clock[0])
     monkeypatch.setattr(step_choice, "_host_clock", lambda: clock[0])
     monkeypatch.setattr(step_choice, "release_all", lambda into=None, kept_into=None: (0, 0))
     monkeypatch.setattr(step_choice, "restore", lambda objects: 0)
