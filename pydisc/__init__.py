@@ -42,10 +42,12 @@ install_optimizer_hook()
 @atexit.register
 def _release_compiled() -> None:
     # Free IREE modules and devices before the interpreter tears down the runtime bindings (a step still
-    # running on the worker finishes first: clear_plans waits for it).
-    clear_plans()
-    clear_cache()
-    gc.collect()
+    # running on the worker finishes first: clear_plans waits for it, and may raise that step's error).
+    try:
+        clear_plans()
+    finally:
+        clear_cache()
+        gc.collect()
 
 
 def mark_step() -> None:

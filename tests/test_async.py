@@ -222,3 +222,38 @@ def test_a_step_that_writes_its_input_in_place_runs_at_once(fresh):
         pydisc.mark_step()
         assert torch.equal(xl, xe)      # read at once, as a plain tensor: no wait could cover it
     assert pydisc.metrics()["async_runs"] == 0
+
+
+def test_inputs_of_a_step_matched_to_a_dynamic_template_are_copied_too(fresh):
+    """Steps whose length varies run one template's plan, which gets views of their inputs: those views
+    are read from copies too, so a buffer refilled right after mark_step does not reach the step."""
+    class Pool(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = _model()
+
+        def forward(self, x):
+            return self.inner(x).mean(dim=1)
+
+    torch.manual_seed(0)
+    eager, lazy = Pool(), pydisc.lazy(Pool())
+    eager_opt, lazy_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (eager, lazy))
+    g = torch.Generator().manual_seed(3)
+    lengths = [5, 7, 9, 6, 8, 5, 7, 9, 6, 8, 5, 7]
+    batches = [(torch.randn(4, n, 6, generator=g), torch.randint(0, 4, (4,), generator=g)) for n in lengths]
+    buffers = {n: torch.zeros(4, n, 6) for n in set(lengths)}
+    for k, (x, y) in enumerate(batches):
+        want = _step(eager, eager_opt, x, y).item()
+        buf = buffers[x.shape[1]]
+        buf.copy_(x)
+        got = _step(lazy, lazy_opt, buf, y)
+        gate = _blocked_worker() if k >= 6 else None
+        pydisc.mark_step()
+        buf.normal_()       # the user's buffer changes while the step may wait on the worker
+        if gate is not None:
+            gate.set()
+        torch.testing.assert_close(got.item(), want, rtol=1e-5, atol=1e-6)
+    m = pydisc.metrics()
+    assert m["async_runs"] >= 2 and m["dynamic_templates"] >= 1 and m["dynamic_matches"] >= 1, m
+    for p, q in zip(lazy.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-6)

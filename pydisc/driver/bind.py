@@ -13,7 +13,7 @@ from ..frontend.tensor import concrete_layout
 from ..frontend.trace import LazyStorage, Trace
 from .slices import size_only_storages
 
-__all__ = ["bind", "concretize"]
+__all__ = ["bind", "concretize", "input_versions", "own_writes"]
 
 
 def _as_layout(val: torch.Tensor, size, stride) -> torch.Tensor:
@@ -35,7 +35,6 @@ def bind(trace: Trace, outputs: tuple, results: list[torch.Tensor], executed: li
     """`fresh_trace`: the recorder starts a new trace after a whole step is bound; False where it started
     one already, the step having run on the worker while the next recorded (inflight.py)."""
     touched: list[LazyStorage] = []
-    current = RECORDER.trace
     for (kind, index), val in zip(outputs, results):
         if kind == "base":
             storage = trace.input_storages[index]
@@ -43,9 +42,6 @@ def bind(trace: Trace, outputs: tuple, results: list[torch.Tensor], executed: li
             if val.data_ptr() != real.data_ptr():
                 real.copy_(val if val.shape == real.shape else val.reshape(real.shape))
             trace.storage_versions[index] = real._version   # our own write, not the user's
-            if current is not trace and storage.epoch == current.epoch and storage.input_index >= 0:
-                # the next step, recorded meanwhile, reads this storage too: nor is it the user's write there
-                current.storage_versions[storage.input_index] = real._version
         else:
             storage = trace.storages[index]
             size, stride, offset, dtype = trace.metas[index]
@@ -103,6 +99,22 @@ def bind(trace: Trace, outputs: tuple, results: list[torch.Tensor], executed: li
     for e in trace.entries:
         for s in e.writes:
             s.written = True
+
+
+def input_versions(trace: Trace) -> tuple[list[int], list[int]]:
+    """The versions of `trace`'s inputs now, for `own_writes`."""
+    return [t._version for t in trace.storage_inputs], [t._version for t in trace.real_inputs]
+
+
+def own_writes(trace: Trace, before: tuple[list[int], list[int]]) -> None:
+    """`trace` (the next step, recorded while the one before ran on the worker thread: inflight.py) noted
+    the versions of the tensors it reads; pydisc's own writes since `before` (binding that step, or its
+    ops run by torch) are not the user's, and move those notes along."""
+    for tensors, noted, seen_before in ((trace.storage_inputs, trace.storage_versions, before[0]),
+                                        (trace.real_inputs, trace.real_versions, before[1])):
+        for i, (t, seen) in enumerate(zip(tensors, seen_before)):
+            if t._version != seen and noted[i] == seen:
+                noted[i] = t._version
 
 
 def concretize(tensors: list[LazyTensor]) -> None:

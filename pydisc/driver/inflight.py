@@ -37,6 +37,7 @@ there, and the optimizers' eager counters of the step are put back (`optimizer_s
 from __future__ import annotations
 
 import operator
+import os
 import queue
 import threading
 import time
@@ -49,12 +50,13 @@ from ..frontend.lazy_tensor import RECORDER
 from ..metrics import METRICS
 from .engine import ENGINE
 
-__all__ = ["InFlight", "Worker", "deferrable", "user_inputs", "start", "wait", "running"]
+__all__ = ["InFlight", "Worker", "deferrable", "user_memory", "start", "wait", "running"]
 
 # While a run is in flight the main thread records (Python, holding the GIL) and the worker needs the GIL
-# twice per run, to start the plan's Python and to hand its results back. A thread that waits for the GIL
-# gets it after the switch interval (5 ms by default), longer than a small CPU step: it is shortened
-# while runs are in flight (2-core VM, transformer block: 2.74 ms per step at 5 ms, 2.53 at 0.5 ms, 2.50 at 0.02 ms).
+# around each IREE call it makes (to call it, and when it returns). A thread that waits for the GIL gets
+# it after the switch interval (5 ms by default), longer than a small CPU step: it is shortened while
+# runs are in flight (2-core VM, transformer block: 2.74 ms per step at 5 ms, 2.53 at 0.5 ms, 2.50 at
+# 0.02 ms).
 SWITCH_INTERVAL = 0.0002
 
 
@@ -128,13 +130,15 @@ def _clusters(plan) -> list | None:
     return found or None
 
 
-def user_inputs(trace) -> set[int]:
-    """ids of the step's input tensors the user can write without pydisc: step inputs, eager tensors."""
-    ids = {id(t) for t in trace.real_inputs}
+def user_memory(trace) -> set[int]:
+    """The memory of the step's inputs that the user can write without pydisc (step inputs: module
+    inputs and `to_lazy`; eager tensors the step read), by storage address."""
+    ptrs = {t.untyped_storage().data_ptr() for t in trace.real_inputs}
     for storage, t in zip(trace.input_storages, trace.storage_inputs):
         if storage.ordinal >= 0:
-            ids.add(id(t))
-    return ids
+            ptrs.add(t.untyped_storage().data_ptr())
+    ptrs.discard(0)     # (empty tensors)
+    return ptrs
 
 
 def running() -> bool:
@@ -155,18 +159,46 @@ def start(job: Callable[[], list], finish: Callable[[list | None, BaseException 
 
 
 def wait(reason: str = "wait") -> None:
-    """Wait for the run in flight, if any, and bind its results (or handle its failure)."""
-    run = ENGINE.in_flight
-    if run is None:
-        return
+    """Wait for the run in flight, if any, and bind its results (or handle its failure). An interrupt
+    (Ctrl-C) while waiting is raised once the run is bound: the run writes memory the step's tensors
+    will read, and the optimizers' counters say it happened."""
+    with RECORDER.lock:
+        run = ENGINE.in_flight
+        if run is None:
+            return
+        interrupted = None
+        if not run.done.is_set():
+            started = time.perf_counter()
+            while True:
+                try:
+                    run.done.wait()
+                    break
+                except BaseException as exc:    # KeyboardInterrupt: the run finishes all the same
+                    interrupted = exc
+            METRICS.async_wait_seconds += time.perf_counter() - started
+        ENGINE.in_flight = None
+        RECORDER.in_flight = None
+        METRICS.async_waits[reason] += 1
+        ENGINE.restore_interval("in flight")
+        finish, results, error = run.finish, run.results, run.error
+        run.finish = run.results = run.error = None
+        finish(results, error)
+        if interrupted is not None:
+            raise interrupted
+
+
+def _before_fork() -> None:
+    # Parent and child get the step's results bound (the child has no worker thread to finish it). An
+    # error of the step cannot be raised into the fork: Python prints it, and the step is abandoned.
+    wait("fork")
+
+
+def _forget_in_child() -> None:
+    # A process forked while a worker existed has no such thread (fork copies only the calling one): its
+    # steps would queue for nobody. It starts its own worker at its first deferred step.
+    ENGINE.worker = None
     ENGINE.in_flight = None
     RECORDER.in_flight = None
-    if not run.done.is_set():
-        started = time.perf_counter()
-        run.done.wait()
-        METRICS.async_wait_seconds += time.perf_counter() - started
-    METRICS.async_waits[reason] += 1
-    ENGINE.restore_interval("in flight")
-    finish, results, error = run.finish, run.results, run.error
-    run.finish = run.results = run.error = None
-    finish(results, error)
+
+
+os.register_at_fork(before=_before_fork, after_in_child=_forget_in_child)

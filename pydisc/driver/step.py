@@ -25,7 +25,7 @@ from ..frontend.trace import Trace
 from ..metrics import METRICS
 from . import background, dynamic, inflight, optimizer_state, step_choice, template_match
 from .dynamic import Binding
-from .bind import bind
+from .bind import bind, input_versions, own_writes
 from .engine import ENGINE
 from .oom import out_of_memory_error, out_of_memory_in
 from .plan import StepPlan, build_plan
@@ -77,9 +77,9 @@ def run_pending(target: LazyTensor | None = None, reason: str = "mark_step") -> 
     step (and optimizers their eager step counters, `optimizer_state`), results of the abandoned one can
     no longer be read, and the next step starts clean."""
     with RECORDER.lock:
-        inflight.wait(reason)   # the step before, where it still runs on the worker: its results are inputs
         if reason == "mark_step":
             fast.flush()        # a forward recorded at __torch_function__ with no backward
+        inflight.wait(reason)   # the step before, where it still runs on the worker: its results are inputs
         if background.pending():
             background.collect()
         trace = RECORDER.trace
@@ -314,16 +314,22 @@ def _defer(plan: StepPlan, trace: Trace, executed: list[int], outputs: tuple, in
     """Prepare the step's compiled calls here, start them on the worker and return True; its results are
     bound at the next wait (inflight.py), and the recorder starts the next step's trace now. False (nothing
     started) where preparing them failed: the step then runs at once, as any other."""
-    copies = {}
-    for ident in inflight.user_inputs(trace):
-        for t in call_inputs:
-            if id(t) == ident:
-                copies[ident] = t.clone()
-                break
-    if copies:
-        # what the user can write without pydisc is read from copies (inflight.py), here and by a fallback
-        call_inputs = [copies.get(id(t), t) for t in call_inputs]
-        inputs = [copies.get(id(t), t) for t in inputs]
+    shared = inflight.user_memory(trace)
+    if shared:
+        # what the user can write without pydisc is read from copies (inflight.py), here and by a fallback;
+        # by memory, not by object: a step matched to a dynamic-shape template gets views of its inputs
+        copies: dict[int, torch.Tensor] = {}
+
+        def own(t):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in shared:
+                copy = copies.get(id(t))
+                if copy is None:
+                    copy = copies[id(t)] = t.clone()
+                return copy
+            return t
+
+        call_inputs = [own(t) for t in call_inputs]
+        inputs = [own(t) for t in inputs]
     calls: list = []
     try:
         with collecting_calls(calls):
@@ -343,11 +349,14 @@ def _defer(plan: StepPlan, trace: Trace, executed: list[int], outputs: tuple, in
                 if error is not None:
                     raise error
                 return results
+            current = RECORDER.trace
+            versions = input_versions(current)
             try:
                 out, ran = _outcome(plan, produce, trace, executed, outputs, inputs, perm, key, device, None)
             except BaseException:
                 # the step failed (eager's error): it is abandoned, and so is what was recorded after it
                 RECORDER.new_trace()
+                RECORDER.end_step()
                 RECORDER.grad_inputs = []
                 optimizer_state.abandoned()
                 optimizer_state.restore(notes)
@@ -355,6 +364,7 @@ def _defer(plan: StepPlan, trace: Trace, executed: list[int], outputs: tuple, in
             if ran is not plan:       # given up for eager: its ops count as fallbacks, as for a step run at once
                 _count_ops(ran)
             bind(trace, outputs, out, executed, [], fresh_trace=False)
+            own_writes(current, versions)
 
     _count_step(plan)
     RECORDER.new_trace()

@@ -7,6 +7,7 @@ an input, a module whose results must be staged) takes a slower branch without s
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -197,18 +198,21 @@ class PreparedCall:
             c.copy_back()
 
     def run(self) -> None:
-        """`invoke`, with the errors `CompiledModule.run` gives (for a call prepared while collecting)."""
+        """`invoke`, with the errors `CompiledModule.run` gives (for a call prepared while collecting);
+        then lets go of its arguments, so that a buffer only later calls read is freed after the last."""
         try:
             self.invoke()
         except Exception as e:
             raise self.module._execution_error(e, *self.held[:2]) from e
+        finally:
+            self.args = self.held = self.copy_back = None
 
 
-class _Collecting:
+class _Collecting(threading.local):
     calls: list | None = None
 
 
-_COLLECTING = _Collecting()
+_COLLECTING = _Collecting()     # per thread: a background thread's modules run as usual
 
 
 @contextmanager

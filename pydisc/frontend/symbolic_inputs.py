@@ -75,6 +75,8 @@ class SymbolicInputs:
         epoch = self.trace.epoch
         for a in args:
             if type(a) is LazyTensor:
+                if a._real is None and a._epoch != epoch and self.in_flight is not None:
+                    self.in_flight("a result of the step before")   # a KV cache the step before made
                 if a._epoch != epoch and a._real is not None:
                     self.ref(a)
             elif type(a) is list or type(a) is tuple:
