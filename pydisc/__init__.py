@@ -66,8 +66,7 @@ def synchronize() -> None:
     has run and its results are bound, as `torch.cuda.synchronize()` does for a GPU. Reads of lazy tensors
     wait by themselves; call this before timing steps, or before you hand memory pydisc reads to other
     code. Returns at once if no step is running."""
-    with RECORDER.lock:
-        inflight.wait("synchronize")
+    inflight.wait("synchronize")
 
 
 def wait_for_compiles() -> None:

@@ -10,7 +10,7 @@ What waits for the run (`wait`), on the main thread:
 - the next `mark_step` or any run of pending ops (its inputs are this run's results);
 - any read of device data of a lazy tensor: `.item()`, printing, an op that runs eagerly, a lazy tensor
   made plain, a collective; a value only this run computes, used by the next step;
-- `pydisc.synchronize()`, `pydisc.metrics()`, and the interpreter's exit.
+- `pydisc.synchronize()`, `pydisc.metrics()`, `os.fork()` and the interpreter's exit.
 Each wait is counted by its reason in `metrics()["async_waits"]`; the time the main thread spent
 waiting in `async_wait_seconds`.
 
@@ -33,6 +33,10 @@ What else a deferred run may not do:
 A run that fails is handled at the wait as `mark_step` handles it: the plan is given up for eager and
 the step's ops run in torch; a value eager raises on (`cluster/value_checks.py`) raises eager's error
 there, and the optimizers' eager counters of the step are put back (`optimizer_state`).
+
+Memory: a deferred plan's outputs, intermediates between its clusters included, are allocated when its
+calls are prepared, and each call's buffers are let go once it has run; a synchronous run allocates
+them as it goes. Today's CPU plans are mostly one cluster, where the two are the same.
 """
 from __future__ import annotations
 
@@ -50,7 +54,7 @@ from ..frontend.lazy_tensor import RECORDER
 from ..metrics import METRICS
 from .engine import ENGINE
 
-__all__ = ["InFlight", "Worker", "deferrable", "user_memory", "start", "wait", "running"]
+__all__ = ["InFlight", "Worker", "deferrable", "user_memory", "start", "wait"]
 
 # While a run is in flight the main thread records (Python, holding the GIL) and the worker needs the GIL
 # around each IREE call it makes (to call it, and when it returns). A thread that waits for the GIL gets
@@ -139,10 +143,6 @@ def user_memory(trace) -> set[int]:
             ptrs.add(t.untyped_storage().data_ptr())
     ptrs.discard(0)     # (empty tensors)
     return ptrs
-
-
-def running() -> bool:
-    return ENGINE.in_flight is not None
 
 
 def start(job: Callable[[], list], finish: Callable[[list | None, BaseException | None], None]) -> None:

@@ -66,6 +66,7 @@ def rss_mb() -> float:
 
 def footprint(step: int, device: torch.device | str = "cpu") -> Footprint:
     device = torch.device(device)
+    pydisc.synchronize()    # no step still running on the worker thread (PYDISC_ASYNC): a quiescent reading
     gc.collect()
     objects = gc.get_objects()
     lazy = sum(1 for o in objects if type(o) is LazyTensor)   # parameters too: their class is LazyTensor
