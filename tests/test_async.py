@@ -163,6 +163,32 @@ def test_a_run_that_fails_on_the_worker_falls_back_to_eager(fresh, monkeypatch):
         torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-6)
 
 
+def test_a_failed_run_finished_under_autocast_runs_as_at_its_mark_step(fresh, monkeypatch):
+    """`pydisc.synchronize()` (or `metrics()`) called inside an autocast region waits for a run that
+    failed on the worker: the step's ops that torch then runs are not autocast, as they would not be at
+    the step's own mark_step (they ran in bfloat16, and the parameters took the rounded values)."""
+    eager, eager_opt, lazy, lazy_opt = _pair()
+    real = PreparedCall.run
+    failed = []
+
+    def run(self):
+        if not failed and threading.current_thread().name == "pydisc-run":
+            failed.append(self)
+            raise RuntimeError("injected failure")
+        return real(self)
+
+    monkeypatch.setattr(PreparedCall, "run", run)
+    for x, y in _batches(STEPS):
+        _step(eager, eager_opt, x, y)
+        _step(lazy, lazy_opt, x, y)
+        pydisc.mark_step()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            pydisc.synchronize()
+    assert failed and pydisc.metrics()["compile_failures"]["runtime:RuntimeError"] == 1
+    for p, q in zip(lazy.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-6)
+
+
 def test_an_index_out_of_range_raises_at_the_wait_and_rolls_back_the_step(fresh):
     """Adam on an embedding: a bad index in a step that ran on the worker raises eager's IndexError at
     the wait; the step is abandoned (parameters, moments and Adam's step counters as before it), so

@@ -352,7 +352,14 @@ def _defer(plan: StepPlan, trace: Trace, executed: list[int], outputs: tuple, in
             current = RECORDER.trace
             versions = input_versions(current)
             try:
-                out, ran = _outcome(plan, produce, trace, executed, outputs, inputs, perm, key, device, None)
+                if error is None and not plan.value_check:
+                    out, ran = _outcome(plan, produce, trace, executed, outputs, inputs, perm, key, device, None)
+                else:
+                    # torch may run the step's ops here (a failed run, a refused value): as at its mark_step,
+                    # not under the autocast or inference mode of the code that happens to wait
+                    with torch.autocast(device.type, enabled=False), torch.inference_mode(False):
+                        out, ran = _outcome(plan, produce, trace, executed, outputs, inputs, perm, key, device,
+                                            None)
             except BaseException:
                 # the step failed (eager's error): it is abandoned, and so is what was recorded after it
                 RECORDER.new_trace()
