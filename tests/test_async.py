@@ -14,7 +14,7 @@ from pydisc.driver.engine import ENGINE
 from pydisc.driver.inflight import InFlight, Worker
 from pydisc.exec.compiled import PreparedCall
 
-STEPS = 6
+STEPS = 8
 
 
 def _model() -> torch.nn.Module:
@@ -50,7 +50,7 @@ def _pair():
     return eager, make(eager), lazy, make(lazy)
 
 
-def test_training_equals_eager_and_the_dispatch_ordered_run(fresh, monkeypatch):
+def test_training_equals_eager_and_the_synchronous_run(fresh, monkeypatch):
     """Losses read one step late (after the next step recorded, as a loop that logs does) and the final
     parameters equal eager's and those of the same run with PYDISC_ASYNC=0."""
     results = {}
@@ -74,7 +74,8 @@ def test_training_equals_eager_and_the_dispatch_ordered_run(fresh, monkeypatch):
             torch.testing.assert_close(p, q.detach(), rtol=1e-5, atol=1e-6)
         results[on] = (losses, params, pydisc.metrics())
     (losses_on, params_on, m_on), (losses_off, params_off, m_off) = results[True], results[False]
-    assert m_on["async_runs"] >= STEPS - 3 and m_off["async_runs"] == 0
+    # (steps 1-2 make the momentum buffers and compile; a plan's first two runs stay on the main thread)
+    assert m_on["async_runs"] >= 2 and m_off["async_runs"] == 0
     assert losses_on == losses_off
     for a, b in zip(params_on, params_off):
         assert torch.equal(a, b)
