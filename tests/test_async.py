@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import pydisc
+from pydisc import diagnostics
 from pydisc.config import CONFIG
 from pydisc.driver.engine import ENGINE
 from pydisc.driver.inflight import InFlight, Worker
@@ -139,10 +140,11 @@ def test_reads_of_a_step_in_flight_wait_for_it(fresh):
     assert set(m["async_waits"]) - {"mark_step", "synchronize", "metrics"}, m["async_waits"]
 
 
-def test_a_run_that_fails_on_the_worker_falls_back_to_eager(fresh, monkeypatch):
-    """An IREE call that raises on the worker: the step's ops run in torch at the wait, with one warning,
-    the plan is given up for eager, and training still equals eager."""
-    eager, eager_opt, lazy, lazy_opt = _pair()
+@pytest.fixture
+def first_worker_call_fails(monkeypatch) -> list:
+    """The first IREE call made on the worker thread raises; the list holds it once it has. Warnings
+    pydisc gave once before this test (another test's failed run) are given again."""
+    monkeypatch.setattr(diagnostics, "_WARNED", set())
     real = PreparedCall.run
     failed = []
 
@@ -153,39 +155,36 @@ def test_a_run_that_fails_on_the_worker_falls_back_to_eager(fresh, monkeypatch):
         return real(self)
 
     monkeypatch.setattr(PreparedCall, "run", run)
+    return failed
+
+
+def test_a_run_that_fails_on_the_worker_falls_back_to_eager(fresh, first_worker_call_fails):
+    """An IREE call that raises on the worker: the step's ops run in torch at the wait, with one warning,
+    the plan is given up for eager, and training still equals eager."""
+    eager, eager_opt, lazy, lazy_opt = _pair()
     with pytest.warns(pydisc.PydiscWarning, match="running a compiled step failed"):
         for x, y in _batches(STEPS):
             _step(eager, eager_opt, x, y)
             _step(lazy, lazy_opt, x, y)
             pydisc.mark_step()
         pydisc.synchronize()
-    assert failed and pydisc.metrics()["compile_failures"]["runtime:RuntimeError"] == 1
+    assert first_worker_call_fails and pydisc.metrics()["compile_failures"]["runtime:RuntimeError"] == 1
     for p, q in zip(lazy.parameters(), eager.parameters()):
         torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-6)
 
 
-def test_a_failed_run_finished_under_autocast_runs_as_at_its_mark_step(fresh, monkeypatch):
+def test_a_failed_run_finished_under_autocast_runs_as_at_its_mark_step(fresh, first_worker_call_fails):
     """`pydisc.synchronize()` (or `metrics()`) called inside an autocast region waits for a run that
     failed on the worker: the step's ops that torch then runs are not autocast, as they would not be at
     the step's own mark_step (they ran in bfloat16, and the parameters took the rounded values)."""
     eager, eager_opt, lazy, lazy_opt = _pair()
-    real = PreparedCall.run
-    failed = []
-
-    def run(self):
-        if not failed and threading.current_thread().name == "pydisc-run":
-            failed.append(self)
-            raise RuntimeError("injected failure")
-        return real(self)
-
-    monkeypatch.setattr(PreparedCall, "run", run)
     for x, y in _batches(STEPS):
         _step(eager, eager_opt, x, y)
         _step(lazy, lazy_opt, x, y)
         pydisc.mark_step()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             pydisc.synchronize()
-    assert failed and pydisc.metrics()["compile_failures"]["runtime:RuntimeError"] == 1
+    assert first_worker_call_fails and pydisc.metrics()["compile_failures"]["runtime:RuntimeError"] == 1
     for p, q in zip(lazy.parameters(), eager.parameters()):
         torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-6)
 
