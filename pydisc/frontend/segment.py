@@ -203,19 +203,24 @@ class Segment:
         out_fids = []
         out_leaves = []     # the result leaf of each out fid
         results = list(recipe.leaves)
+        # `x.contiguous()` of a contiguous value, `x.to(x.dtype)`, `F.dropout(x, 0.0)`, dropout in eval mode:
+        # eager returns the argument itself, unchanged; such a call is not an entry of the segment
+        unchanged = not recipe.mutated
         for j, size, stride, offset, dtype, nbytes, rg, alias, same in recipe.outputs:
             if same is not None:
                 v = slots[same]
                 obj = _find(args, kwargs, same)
-                if type(v) is XV:       # `x.to(x.dtype)`, `x.contiguous()`: the input itself, unchanged
+                if type(v) is XV:
                     results[j] = obj
                     continue
                 if rg and not self.rg[v.fid]:
                     self.rg[v.fid] = True
+                    unchanged = False
                 out_fids.append(v.fid)
                 out_leaves.append(j)
                 results[j] = obj
                 continue
+            unchanged = False
             fid = len(self.metas)
             self.metas.append((size, stride, offset, dtype, nbytes))
             self.rg.append(rg)
@@ -247,6 +252,8 @@ class Segment:
             if recipe.outputs and any(o[8] == slot for o in recipe.outputs):
                 continue
             out_fids.append(v.fid)      # written in place and not returned: same value id, newer data
+        if unchanged and recipe.outputs:
+            return results[0] if recipe.spec is None else pytree.tree_unflatten(results, recipe.spec)
         self.entries.append((func, enc_args, enc_kwargs, tuple(out_fids), (sig[1], amp), tuple(out_leaves)))
         self.sig.append(tuple(sig))
         self.links.append((recipe.connected, recipe.random, tuple(slots)))
@@ -357,9 +364,13 @@ class Segment:
             # output objects) look alive and would become outputs, and the next step's key would differ:
             # collected first. The young generation holds everything this forward made, since the GC was
             # paused. Skipped while forwards leave no cyclic garbage (the last collection found none) and
-            # the same values are alive as at the last segment's end: a collection costs ~0.1 ms.
-            FAST.cycles = gc.collect(0) > 0
+            # the same values are alive as at the last segment's end: a collection costs 0.1-0.4 ms. Garbage
+            # that holds no value of the segment (a library's own cycles) does not count. (`alive` is let go
+            # of first: its references would keep every value it lists.)
+            alive = None
+            gc.collect(0)
             alive = self.alive()
+            FAST.cycles = len(alive) != len(fids)
             fids = tuple(o._fid for o in alive)
         FAST.last_alive = fids
         for o in alive:
@@ -489,23 +500,22 @@ class Segment:
 
 
 def _find(args, kwargs, slot: int):
-    """The argument object at tensor slot `slot` (in encoding order)."""
-    found = []
-
-    def walk(a):
+    """The argument object at tensor slot `slot` (in encoding order). Written without a recursive closure:
+    a nested function that calls itself is a reference cycle, and this one would hold the tensors it
+    found until the next cyclic collection (which `Segment.close` would then have to run)."""
+    stack = list(reversed(args))
+    if kwargs:
+        stack[:0] = reversed(list(kwargs.values()))
+    seen = 0
+    while stack:
+        a = stack.pop()
         if isinstance(a, _Tensor):
-            found.append(a)
+            if seen == slot:
+                return a
+            seen += 1
         elif type(a) is list or type(a) is tuple:
-            for x in a:
-                walk(x)
-
-    for a in args:
-        walk(a)
-    for v in (kwargs or {}).values():
-        walk(v)
-    return found[slot]
-
-
+            stack.extend(reversed(a))
+    raise IndexError(slot)
 
 
 class _Fast:
@@ -518,7 +528,7 @@ class _Fast:
         self.demoted = False
         self.redirected = False     # some segment was demoted: its fast values may still be around
         self.last_alive = None      # the fast values alive at the last segment's end (`Segment.close`)
-        self.cycles = True          # the last collection at a segment's end found cyclic garbage
+        self.cycles = True          # the last collection at a segment's end freed values of the segment
         self.installed = False      # fast recording is on (fast.install); its handler sits on the class only
                                     # while a forward records, or for good once some segment was demoted
         self.gate = None            # a function saying whether segments may start (dynamic shapes)

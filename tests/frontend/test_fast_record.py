@@ -551,3 +551,87 @@ def test_an_error_in_a_step_leaves_the_next_steps_right(fast_recording) -> None:
         m(x).square().sum().backward()
     pydisc.mark_step()
     torch.testing.assert_close(model.weight.grad.cpu(), ref.weight.grad, rtol=1e-5, atol=1e-5)
+
+
+class _Unchanging(nn.Module):
+    """Calls eager answers with their argument itself (dropout of rate 0 or in eval mode, `contiguous()`
+    of a contiguous value, a cast to its own dtype), between two linear layers."""
+
+    def __init__(self, identities: bool) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 5)
+        self.identities = identities
+        self.returned_itself: list[bool] = []
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if self.identities:
+            same = [F.dropout(h, 0.0, training=True), F.dropout(h, 0.5, training=False), h.contiguous(),
+                    h.to(h.dtype), h.float(), h.type_as(h)]
+            self.returned_itself = [y is h for y in same]
+            h = same[-1]
+        return self.b(h).mean(dim=1)
+
+
+def test_calls_that_return_their_argument_are_not_entries(fast_recording, replayed_eagerly) -> None:
+    runs = {}
+    for identities in (False, True):
+        METRICS.reset()
+        losses, lazy_losses, ref, model = _train(lambda: _Unchanging(identities), _ce)
+        _assert_same(ref, model, losses, lazy_losses)
+        assert model.returned_itself == ref.returned_itself == ([True] * 6 if identities else []), \
+            (model.returned_itself, ref.returned_itself)
+        runs[identities] = pydisc.metrics()
+        assert runs[identities]["fast_demotions"] == {} and runs[identities]["fast_segments"] == 3
+    assert runs[True]["fast_entries"] == runs[False]["fast_entries"], (runs[True]["fast_entries"],
+                                                                      runs[False]["fast_entries"])
+
+
+def test_a_segment_end_collects_cycles_only_where_they_hold_its_values(fast_recording, replayed_eagerly,
+                                                                       monkeypatch) -> None:
+    """A segment's end runs the cyclic GC where values of the forward may be held by reference cycles
+    alone (they would become outputs of the step); not every step where some library leaves cycles of
+    its own, nor because of pydisc's own bookkeeping (a call returning its argument)."""
+    import gc
+
+    from pydisc.frontend import segment
+
+    collections = []
+
+    class _GC:
+        def __getattr__(self, name):
+            return getattr(gc, name)
+
+        @staticmethod
+        def collect(generation=2):
+            collections.append(generation)
+            return gc.collect(generation)
+
+    monkeypatch.setattr(segment, "gc", _GC())
+
+    class Cyclic(_Unchanging):
+        def forward(self, x):
+            junk = [x]
+            junk.append(junk)       # a cycle of the library's own, holding no value of the forward
+            if self.keep_in_cycle:
+                holder = {"h": self.a(x)}
+                holder["self"] = holder     # a value of the forward held by a cycle alone
+            return super().forward(x)
+
+    def make():
+        m = Cyclic(identities=True)
+        m.keep_in_cycle = False
+        return m
+
+    losses, lazy_losses, ref, model = _train(make, _ce, steps=6)
+    _assert_same(ref, model, losses, lazy_losses)
+    assert len(collections) <= 2, collections     # until the values alive at the end are the same
+    model.keep_in_cycle = ref.keep_in_cycle = True
+    del collections[:]
+    x, y = torch.randn(4, 6, 16), torch.randint(0, 5, (4,))
+    for _ in range(3):
+        _ce(model, x, y)
+        pydisc.mark_step()
+    # the cycle holding a value is collected at each end (another value is alive than at the last end)
+    assert len(collections) >= 1, collections
+    assert pydisc.metrics()["fast_demotions"] == {}
