@@ -17,7 +17,7 @@ column is the ratio of a pydisc block's wall time (up to `pydisc.synchronize()` 
 the eager block's before it, the statistic taken over blocks.
 
     python bench/record_overhead.py [--repeats 50] [--stat median|min] [--fast both|on|off]
-        [--models mlp,block,gpt-char,bert-mlm,hf-gpt2]
+        [--models mlp,block,gpt-char,bert-mlm,hf-gpt2,hf-gpt2-dropout]
     PYDISC_ASYNC=0 python bench/record_overhead.py ...     # mark_step returns when the step has run
 """
 from __future__ import annotations
@@ -94,11 +94,11 @@ def _bert_mlm() -> nn.Module:
     return BertMLM(vocab=96, max_len=32, dim=64, heads=4, layers=2, dropout=0.0)
 
 
-def _hf_gpt2() -> nn.Module:
+def _hf_gpt2(dropout: float = 0.0) -> nn.Module:
     import transformers
     transformers.logging.set_verbosity_error()
-    cfg = transformers.GPT2Config(vocab_size=96, n_positions=64, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
-                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=1)
+    cfg = transformers.GPT2Config(vocab_size=96, n_positions=64, n_embd=32, n_layer=2, n_head=2, resid_pdrop=dropout,
+                                  embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0, eos_token_id=1)
     return transformers.GPT2LMHeadModel(cfg)      # default attention (sdpa)
 
 
@@ -116,7 +116,9 @@ WORKLOADS = {"mlp": Workload("mlp 64-256-256-10, batch 64", MLP, (64, 64)),
              "gpt-char": Workload("examples/gpt_char.py GPT d64 2 layers, 8x32 tokens", _gpt_char, (8, 32), 65),
              "bert-mlm": Workload("examples/bert_mlm.py BERT d64 2 layers, 8x32 tokens", _bert_mlm, (8, 32), 96),
              "hf-gpt2": Workload("HF GPT-2 (tiny config, sdpa) d32 2 layers, 4x16 tokens", _hf_gpt2, (4, 16), 96,
-                                 _hf_loss)}
+                                 _hf_loss),
+             "hf-gpt2-dropout": Workload("HF GPT-2 as above, GPT-2's dropout 0.1", lambda: _hf_gpt2(0.1), (4, 16), 96,
+                                         _hf_loss)}
 DEFAULT_MODELS = ("mlp", "block")
 
 

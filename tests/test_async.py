@@ -82,6 +82,74 @@ def test_training_equals_eager_and_the_synchronous_run(fresh, monkeypatch):
         assert torch.equal(a, b)
 
 
+def test_a_step_with_dropout_runs_on_the_worker_and_draws_eagers_numbers(fresh, monkeypatch):
+    """Dropout's masks are drawn by torch inside the step, into tensors a cluster makes: that cluster and the
+    draws run on the main thread at mark_step, the rest of the step on the worker. The numbers drawn are
+    eager's, and those of PYDISC_ASYNC=0, also with the loop's own draws between steps."""
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Dropout(0.3),
+                                   torch.nn.Linear(16, 4))
+
+    results = {}
+    for on in (True, False):
+        monkeypatch.setattr(CONFIG, "async_cpu", on)
+        pydisc.clear_plans()
+        pydisc.reset_metrics()
+        eager, lazy = model(), pydisc.lazy(model())
+        eager_opt, lazy_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (eager, lazy))
+        losses, want = [], []
+        torch.manual_seed(2)
+        for x, y in _batches(STEPS):
+            want.append(_step(eager, eager_opt, x, y).item())
+            torch.rand(3)                   # the loop's own draw, between two steps
+        torch.manual_seed(2)
+        for x, y in _batches(STEPS):
+            losses.append(_step(lazy, lazy_opt, x, y))
+            pydisc.mark_step()
+            torch.rand(3)
+        losses = [loss.item() for loss in losses]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-5, atol=1e-6)
+        params = [p.detach().clone() for p in lazy.parameters()]
+        for p, q in zip(params, eager.parameters()):
+            torch.testing.assert_close(p, q.detach(), rtol=1e-5, atol=1e-6)
+        results[on] = (losses, params, pydisc.metrics())
+    (losses_on, params_on, m_on), (losses_off, params_off, m_off) = results[True], results[False]
+    assert m_on["async_runs"] >= 2 and m_off["async_runs"] == 0, (m_on["async_runs"], m_off["async_runs"])
+    assert losses_on == losses_off
+    for a, b in zip(params_on, params_off):
+        assert torch.equal(a, b)
+
+
+def test_clusters_that_torchs_ops_do_not_read_run_on_the_worker(fresh, monkeypatch):
+    """With PYDISC_CPU_MATMUL=torch the matmuls run in torch between the clusters, reading their results:
+    those clusters run at mark_step, and the last one, which no op of torch reads (the optimizer's update),
+    on the worker. Values equal eager's and PYDISC_ASYNC=0's."""
+    monkeypatch.setattr(CONFIG, "cpu_matmul", "torch")
+    results = {}
+    for on in (True, False):
+        monkeypatch.setattr(CONFIG, "async_cpu", on)
+        pydisc.clear_plans()
+        pydisc.reset_metrics()
+        eager, eager_opt, lazy, lazy_opt = _pair()
+        losses, want = [], []
+        for x, y in _batches(STEPS):
+            want.append(_step(eager, eager_opt, x, y).item())
+            losses.append(_step(lazy, lazy_opt, x, y))
+            pydisc.mark_step()
+        losses = [loss.item() for loss in losses]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-5, atol=1e-6)
+        params = [p.detach().clone() for p in lazy.parameters()]
+        for p, q in zip(params, eager.parameters()):
+            torch.testing.assert_close(p, q.detach(), rtol=1e-5, atol=1e-6)
+        results[on] = (losses, params, pydisc.metrics())
+    (losses_on, params_on, m_on), (losses_off, params_off, m_off) = results[True], results[False]
+    assert m_on["library_ops"] and m_on["async_runs"] >= 2 and m_off["async_runs"] == 0, m_on
+    assert losses_on == losses_off
+    for a, b in zip(params_on, params_off):
+        assert torch.equal(a, b)
+
+
 def _blocked_worker():
     """Holds the worker until the returned event is set: the next deferred run queues behind it."""
     if ENGINE.worker is None:

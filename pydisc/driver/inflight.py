@@ -19,9 +19,10 @@ each compiled cluster's call is prepared there (its outputs allocated, its argum
 collected rather than invoked (`exec.compiled.collecting_calls`); the worker then only invokes them in
 order, which needs the GIL once per call (a worker that ran Python next to the recording main thread
 waited for the GIL more than it ran: 2-core VM, transformer block, 3.5 ms per run instead of 2.0).
-So a plan is deferred only where its graph is compiled clusters and nothing else: no op torch runs
-(which would read the clusters' results before they exist, or draw random numbers in another order
-than the main thread's), no cluster that times or checks itself (`PYDISC_MEASURE`, `PYDISC_CHECK`).
+So the ops torch runs in a plan (dropout's random masks), and the clusters whose results they read, run
+on the main thread while the calls are prepared, where a synchronous run runs them (they draw the random
+numbers they would draw without the worker); a plan is deferred where some cluster is left that none of
+them reads, and no cluster times or checks itself (`PYDISC_MEASURE`, `PYDISC_CHECK`).
 
 What else a deferred run may not do:
 - write memory the user can reach without pydisc: inputs of the step (module inputs, `to_lazy`) that it
@@ -111,8 +112,11 @@ def deferrable(plan, trace, outputs: tuple) -> bool:
 
 
 def _clusters(plan) -> list | None:
-    """The compiled clusters of a plan whose graph has nothing else (but the picking of their results),
-    else None; found once per plan."""
+    """The compiled clusters of `plan` whose calls go to the worker, where its graph allows it; found once
+    per plan. Ops torch runs (the random masks of dropout) and the clusters they read (the one that makes
+    the tensors dropout draws into) run on the main thread while the calls are prepared, at the point of
+    `mark_step` where a synchronous run would run them, so they draw the same random numbers; torch must
+    read no result of a cluster that runs on the worker. None where nothing can go to the worker."""
     found = plan.deferred_clusters
     if found is False:
         return None
@@ -120,16 +124,23 @@ def _clusters(plan) -> list | None:
         return found
     runner = plan.runner
     found = False
-    if isinstance(runner, torch.fx.GraphModule) and not plan.eager_ops and not plan.library_ops:
-        clusters = []
-        for node in runner.graph.nodes:
-            if node.op == "call_module" and isinstance(getattr(runner, node.target), CompiledCluster):
-                clusters.append(getattr(runner, node.target))
-            elif node.op not in ("placeholder", "output") and not (
-                    node.op == "call_function" and node.target is operator.getitem):
-                break
-        else:
-            found = clusters
+    if isinstance(runner, torch.fx.GraphModule):
+        def is_cluster(node) -> bool:
+            return node.op == "call_module" and isinstance(getattr(runner, node.target), CompiledCluster)
+
+        nodes = list(runner.graph.nodes)
+        now: set = set()        # what torch's ops read, transitively: run on the main thread
+        for node in reversed(nodes):
+            if node in now or not (node.op in ("placeholder", "output") or is_cluster(node) or (
+                    node.op == "call_function" and node.target is operator.getitem)):
+                now.update(node.all_input_nodes)
+                now.add(node)
+        clusters = [node for node in nodes if is_cluster(node)]
+        deferred = [getattr(runner, node.target) for node in clusters if node not in now]
+        if deferred:
+            for node in clusters:
+                getattr(runner, node.target).run_at_once = node in now
+            found = deferred
     plan.deferred_clusters = found
     return found or None
 

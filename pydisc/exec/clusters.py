@@ -17,6 +17,7 @@ from ..diagnostics import log, warn_once
 from ..metrics import METRICS
 from . import choices
 from .compare import mismatch
+from .compiled import running_calls
 from .compiler import forget_module, text_hash
 from .errors import DeviceOutOfMemoryError, is_out_of_memory
 
@@ -53,6 +54,7 @@ class CompiledCluster(torch.nn.Module):
         self.eager_faster = False     # measured on its second call (`measure`): eager ran it faster
         self.digest = text_hash(text)   # names the measured choice kept on disk (choices.py)
         self.decided = False          # compiled or eager chosen, measured here or by an earlier process
+        self.run_at_once = False      # run even where the plan's calls are collected (driver/inflight.py)
 
     def forward(self, *inputs):
         if self.eager_faster:
@@ -60,7 +62,11 @@ class CompiledCluster(torch.nn.Module):
         measuring = not self.decided and applies(CONFIG.measure, self.device)
         if measuring and self.calls == 0 and self.recall(inputs):
             return self.fallback(*inputs)    # eager measured faster by an earlier process
-        results = self.run_compiled(inputs)
+        if self.run_at_once:
+            with running_calls():
+                results = self.run_compiled(inputs)
+        else:
+            results = self.run_compiled(inputs)
         self.calls += 1
         if measuring and self.calls == 2 and not (
                 self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):

@@ -20,7 +20,7 @@ from .errors import CompileError, DeviceOutOfMemoryError, ExecutionError, is_out
 from .session import DeviceSession, cuda_context, vm_instance
 from .tensors import ALIGNMENT, StagedOutput, dense_copy, is_dense
 
-__all__ = ["CompiledModule", "PreparedCall", "collecting_calls"]
+__all__ = ["CompiledModule", "PreparedCall", "collecting_calls", "running_calls"]
 
 _ENTRY = "main"
 # torch's raw current-device calls (~0.2 us; torch.cuda.current_device adds a Python wrapper). Absent in
@@ -265,3 +265,14 @@ class _DenseOutput:
     def copy_back(self) -> None:
         self.target.copy_(self.dense)
 
+
+@contextmanager
+def running_calls() -> Iterator[None]:
+    """Within `collecting_calls`, the calls made here run at once: a cluster whose results torch reads while
+    the plan's graph runs (the tensors dropout draws its masks into)."""
+    calls = _COLLECTING.calls
+    _COLLECTING.calls = None
+    try:
+        yield
+    finally:
+        _COLLECTING.calls = calls
