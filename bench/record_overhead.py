@@ -17,8 +17,9 @@ column is the ratio of a pydisc block's wall time (up to `pydisc.synchronize()` 
 the eager block's before it, the statistic taken over blocks.
 
     python bench/record_overhead.py [--repeats 50] [--stat median|min] [--fast both|on|off]
-        [--models mlp,block,gpt-char,bert-mlm,hf-gpt2,hf-gpt2-dropout]
+        [--models mlp,block,gpt-char,bert-mlm,bert-mlm-dropout,hf-gpt2,hf-gpt2-dropout]
     PYDISC_ASYNC=0 python bench/record_overhead.py ...     # mark_step returns when the step has run
+    python bench/record_overhead.py --compare-async --repeats 15 --models ...   # both, taking turns
 """
 from __future__ import annotations
 
@@ -89,9 +90,9 @@ def _gpt_char() -> nn.Module:
     return GPT(vocab=65, context=32, dim=64, heads=4, layers=2)
 
 
-def _bert_mlm() -> nn.Module:
+def _bert_mlm(dropout: float = 0.0) -> nn.Module:
     from examples.bert_mlm import BertMLM
-    return BertMLM(vocab=96, max_len=32, dim=64, heads=4, layers=2, dropout=0.0)
+    return BertMLM(vocab=96, max_len=32, dim=64, heads=4, layers=2, dropout=dropout)
 
 
 def _hf_gpt2(dropout: float = 0.0) -> nn.Module:
@@ -115,6 +116,8 @@ WORKLOADS = {"mlp": Workload("mlp 64-256-256-10, batch 64", MLP, (64, 64)),
              "block": Workload("transformer block d64 h4, 8x32 tokens", Block, (8, 32, 64)),
              "gpt-char": Workload("examples/gpt_char.py GPT d64 2 layers, 8x32 tokens", _gpt_char, (8, 32), 65),
              "bert-mlm": Workload("examples/bert_mlm.py BERT d64 2 layers, 8x32 tokens", _bert_mlm, (8, 32), 96),
+             "bert-mlm-dropout": Workload("examples/bert_mlm.py as above, dropout 0.1", lambda: _bert_mlm(0.1), (8, 32),
+                                          96),
              "hf-gpt2": Workload("HF GPT-2 (tiny config, sdpa) d32 2 layers, 4x16 tokens", _hf_gpt2, (4, 16), 96,
                                  _hf_loss),
              "hf-gpt2-dropout": Workload("HF GPT-2 as above, GPT-2's dropout 0.1", lambda: _hf_gpt2(0.1), (4, 16), 96,
@@ -238,6 +241,47 @@ def _time_runners() -> list[float]:
     return seconds
 
 
+def compare_async(workload: Workload, blocks: int, warmup: int, block: int = 10) -> tuple[float, float, float, int]:
+    """Eager, PYDISC_ASYNC on and PYDISC_ASYNC off, in one process, taking turns in blocks of `block` steps,
+    each pydisc block ending in `pydisc.synchronize()`: the median ms per step of each, and how many steps
+    ran on the worker. (Two processes, one per setting, differed by more than the setting on a shared VM.)"""
+    torch.manual_seed(0)
+    eager = workload.make_model()
+    lazy = pydisc.lazy(copy.deepcopy(eager))
+    make_opt = lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9)  # noqa: E731
+    eager_opt, lazy_opt = make_opt(eager.parameters()), make_opt(lazy.parameters())
+    if workload.vocab:
+        x = torch.randint(0, workload.vocab, workload.input_shape)
+        y = torch.randint(0, workload.vocab, workload.input_shape)
+    else:
+        x = torch.randn(workload.input_shape)
+        y = torch.randint(0, 10, (workload.input_shape[0],))
+    for _ in range(warmup):
+        train_step(lazy, lazy_opt, x, y, workload.loss)
+        pydisc.mark_step()
+    pydisc.synchronize()
+    runs_before = METRICS.async_runs
+    times: dict[str, list[float]] = {"eager": [], "on": [], "off": []}
+    setting = pydisc.config.CONFIG.async_cpu
+    try:
+        for _ in range(blocks):
+            for mode in times:
+                pydisc.config.CONFIG.async_cpu = mode == "on"
+                started = time.perf_counter()
+                for _ in range(block):
+                    if mode == "eager":
+                        train_step(eager, eager_opt, x, y, workload.loss)
+                    else:
+                        train_step(lazy, lazy_opt, x, y, workload.loss)
+                        pydisc.mark_step()
+                pydisc.synchronize()
+                times[mode].append((time.perf_counter() - started) / block * 1e3)
+    finally:
+        pydisc.config.CONFIG.async_cpu = setting
+    return (statistics.median(times["eager"]), statistics.median(times["on"]), statistics.median(times["off"]),
+            METRICS.async_runs - runs_before)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=50)
@@ -252,8 +296,22 @@ def main() -> None:
     p.add_argument("--fast", choices=("both", "on", "off"), default="both",
                    help="record at __torch_function__ (PYDISC_FAST_RECORD, docs/fast_recording.md), op by op "
                         "through the dispatcher, or both side by side (default)")
+    p.add_argument("--compare-async", action="store_true",
+                   help="instead: eager, PYDISC_ASYNC=1 and PYDISC_ASYNC=0 taking turns in one process "
+                        "(--repeats blocks of 10 steps each, fast recording as configured)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.compare_async:
+        print("torch %s, %d thread(s), median ms per step over %d blocks of 10 steps, taking turns"
+              % (torch.__version__, torch.get_num_threads(), args.repeats))
+        print()
+        print("| model | eager | PYDISC_ASYNC=1 | PYDISC_ASYNC=0 | steps on the worker |")
+        print("| --- | ---: | ---: | ---: | ---: |")
+        for name in args.models.split(","):
+            e, on, off, runs = compare_async(WORKLOADS[name], args.repeats, args.warmup)
+            print("| %s | %.2f ms | %.2f ms (%.2fx) | %.2f ms (%.2fx) | %d |"
+                  % (WORKLOADS[name].name, e, on, on / e, off, off / e, runs))
+        return
     stat = statistics.median if args.stat == "median" else min
     paths = {"both": (False, True), "on": (True,), "off": (False,)}[args.fast]
     workloads = [WORKLOADS[name] for name in args.models.split(",")]

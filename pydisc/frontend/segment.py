@@ -363,7 +363,7 @@ class Segment:
             # Values held only by reference cycles (frames of an exception caught in a forward, a model's
             # output objects) look alive and would become outputs, and the next step's key would differ:
             # collected first. The young generation holds everything this forward made, since the GC was
-            # paused. Skipped while forwards leave no cyclic garbage (the last collection found none) and
+            # paused. Skipped while forwards leave no values to cycles (the last collection freed none) and
             # the same values are alive as at the last segment's end: a collection costs 0.1-0.4 ms. Garbage
             # that holds no value of the segment (a library's own cycles) does not count. (`alive` is let go
             # of first: its references would keep every value it lists.)
