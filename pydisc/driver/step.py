@@ -389,13 +389,22 @@ def _scalars(values: list, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def _ops_of(sig: tuple):
+    """What an entry runs, for telling a step's graph from another's (`ENGINE.seen_ops`): its op, and for a
+    forward recorded at `__torch_function__` the calls it made (every such step's op is "fused": two models
+    would otherwise look like one graph whose input sizes changed)."""
+    if sig[0] == "fused":
+        return ("fused", tuple(call[0] for call in sig[1]))
+    return sig[0]
+
+
 def _plan_concrete(trace: Trace, key: tuple, executed: list[int], outputs: tuple, inputs: list,
                    device: torch.device, remaining: list[int]):
     """A plan for a step structure not planned before: a dynamic template that matches it, or a new
     plan. None when the step ran eagerly: a dim of an input changed size (the next step records a
     dynamic-shape template instead of compiling for this one shape), or the structure is new
     (`PYDISC_COMPILE_AFTER`)."""
-    ops = tuple(sig[0] for sig in key[3])
+    ops = tuple(_ops_of(sig) for sig in key[3])
     if CONFIG.dynamic and ENGINE.dynamic.templates:
         for template in ENGINE.dynamic.templates:
             binding = template_match.match_template(template, trace, executed, outputs)

@@ -635,3 +635,25 @@ def test_a_segment_end_collects_cycles_only_where_they_hold_its_values(fast_reco
     # the cycle holding a value is collected at each end (another value is alive than at the last end)
     assert len(collections) >= 1, collections
     assert pydisc.metrics()["fast_demotions"] == {}
+
+
+def test_a_second_model_is_not_taken_for_the_first_with_other_sizes(fast_recording, replayed_eagerly) -> None:
+    """Every forward recorded at `__torch_function__` is one "fused" entry: a second model trained after a
+    first, with inputs of the same rank and other sizes, was taken for the first one's graph with changed
+    sizes, flagged dynamic, and recorded op by op from then on."""
+    class Pool(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(6, 5)
+
+        def forward(self, x):
+            return self.inner(x).mean(dim=1)
+
+    _train(Pool, _ce, batch=lambda g: (torch.randn(4, 7, 6, generator=g), torch.randint(0, 5, (4,), generator=g)))
+    METRICS.reset()
+    losses, lazy_losses, ref, model = _train(Block, _ce)
+    _assert_same(ref, model, losses, lazy_losses)
+    m = pydisc.metrics()
+    # (its first step, whose inputs have other sizes than the step before's, goes through the dispatcher)
+    assert m["fast_segments"] == 2 and m["dynamic_eager_steps"] == 0 and m["fast_demotions"] == {}, {
+        k: m[k] for k in ("fast_segments", "dynamic_eager_steps", "fast_demotions", "recompiles")}
