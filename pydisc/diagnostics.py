@@ -60,6 +60,8 @@ def explain_recompile(old: tuple, new: tuple, sources: list[str | None]) -> str:
             where = " at %s" % sources[i] if i < len(sources) and sources[i] else ""
             if x[0] != y[0]:
                 return "op #%d changed: %s -> %s%s" % (i, _op_of(x), _op_of(y), where)
+            if x[0] == "fused" and x[1] != y[1]:
+                return "op #%d (a forward recorded at __torch_function__%s): %s" % (i, where, _call_changed(x[1], y[1]))
             for a, b in zip(x, y):
                 if a != b:
                     return "op #%d (%s) argument changed: %s -> %s%s" % (i, _op_of(y), _short(a), _short(b), where)
@@ -72,6 +74,29 @@ def explain_recompile(old: tuple, new: tuple, sources: list[str | None]) -> str:
     if old[4] != new[4]:
         return "number of lifted scalars changed: %d -> %d" % (old[4], new[4])
     return "a different set of live tensors is needed after the step (outputs %d -> %d)" % (len(old[5]), len(new[5]))
+
+
+def _call_name(func) -> str:
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or str(func)
+    return name.replace("_TensorBase.", "Tensor.").replace("TensorBase.", "Tensor.").replace(
+        "_VariableFunctionsClass.", "torch.")
+
+
+def _call_changed(old: tuple, new: tuple) -> str:
+    """What differs between the calls two forwards made (each call: its function, grad mode, autocast
+    dtype, then its arguments' encoding and layouts)."""
+    for k, (x, y) in enumerate(zip(old, new)):
+        if x[0] != y[0]:
+            return "call #%d changed: %s -> %s" % (k, _call_name(x[0]), _call_name(y[0]))
+        if x != y:
+            for a, b in zip(x[1:], y[1:]):
+                if a != b:
+                    return "call #%d (%s) argument changed: %s -> %s" % (k, _call_name(y[0]), _short(a), _short(b))
+            return "call #%d (%s) arguments changed" % (k, _call_name(y[0]))
+    k = min(len(old), len(new))
+    extra = new[k] if len(new) > k else old[k]
+    return "it made %d calls instead of %d (first extra or missing call #%d: %s)" % (
+        len(new), len(old), k, _call_name(extra[0]))
 
 
 def _short(x) -> str:

@@ -98,18 +98,8 @@ def call_recipe(func, enc_args, enc_kwargs, slots: list, metas: dict, fake, devi
     of `slots`), and note what it did: its outputs' layouts, what it wrote, views, which arguments
     autograd's graph of the results reaches, whether it draws random numbers. NoMeta where no meta
     kernel can say; Demote for what a segment cannot follow."""
-    def to_meta(a):
-        t = type(a)
-        if t is FV or t is XV:
-            return metas[id(a)]
-        if t is list or t is tuple:
-            return t(to_meta(x) for x in a)
-        if t is torch.device or t is str and a[:4] in ("cpu", "cuda", "cuda:"):
-            return _META_DEVICE if fake is None else a
-        return a
-
-    margs = [to_meta(a) for a in enc_args]
-    mkwargs = {k: to_meta(v) for k, v in enc_kwargs.items()}
+    margs = [_to_meta(a, metas, fake) for a in enc_args]
+    mkwargs = {k: _to_meta(v, metas, fake) for k, v in enc_kwargs.items()}
     distinct = list({id(v): metas[id(v)] for v in slots}.items())
     before = [(m._version, m.shape, m.stride(), m.storage_offset()) for _, m in distinct]
     grad = _grad_enabled()
@@ -167,6 +157,18 @@ def call_recipe(func, enc_args, enc_kwargs, slots: list, metas: dict, fake, devi
             raise Demote("a call returning no tensor")
     return Recipe(spec, kept, tuple(outputs), mutated, mutated_rg, connected,
                   seeded.seen or _random(func))
+
+
+def _to_meta(a, metas: dict, fake):
+    """A call's argument on the meta (or fake) tensors `metas` holds for its values, devices made meta's."""
+    t = type(a)
+    if t is FV or t is XV:
+        return metas[id(a)]
+    if t is list or t is tuple:
+        return t([_to_meta(x, metas, fake) for x in a])
+    if t is torch.device or t is str and a[:4] in ("cpu", "cuda", "cuda:"):
+        return _META_DEVICE if fake is None else a
+    return a
 
 
 def _name(func) -> str:

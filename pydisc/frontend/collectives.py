@@ -28,7 +28,7 @@ import time
 import torch
 
 from ..metrics import METRICS
-from .lazy_tensor import RECORDER, LazyStorage, LazyTensor, to_lazy
+from .lazy_tensor import RECORDER, LazyStorage, LazyTensor, map_nested, to_lazy
 from .op_facts import REWRITES, opinfo
 
 __all__ = ["COLLECTIVE_NAMESPACES", "install_collectives", "run_collective", "defer_next_copy",
@@ -70,12 +70,10 @@ def run_collective(func, args, kwargs):
                 raise RuntimeError("pydisc: %s got a lazy tensor without data (its step failed)" % func)
             lazy_of[id(real)] = a
             return real
-        if isinstance(a, (list, tuple)):
-            return type(a)(unwrap(x) for x in a)
         return a
 
-    real_args = unwrap(tuple(args))
-    real_kwargs = {k: unwrap(v) for k, v in kwargs.items()}
+    real_args = map_nested(unwrap, tuple(args))
+    real_kwargs = {k: map_nested(unwrap, v) for k, v in kwargs.items()}
     start = time.perf_counter()
     out = func(*real_args, **real_kwargs)
     if func.namespace in _FUNCTIONAL:

@@ -13,7 +13,7 @@ import contextlib
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["FV", "XV", "Demote", "NoMeta", "FusedStep"]
+__all__ = ["FV", "XV", "Demote", "NoMeta", "FusedStep", "decode"]
 
 _autocast = torch._C._is_any_autocast_enabled
 _excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
@@ -92,6 +92,21 @@ def _slots(a):
             yield from _slots(x)
 
 
+def decode(a, env, inputs):
+    """An entry's argument with each fast value taken from `env` (by id) and each input from `inputs` (by
+    index), inside lists and tuples too. (A function of the module, not a closure that calls itself: such a
+    closure is a reference cycle, which would keep `env`, every value of the replay, until the next
+    cyclic collection.)"""
+    t = type(a)
+    if t is FV:
+        return env[a.fid]
+    if t is XV:
+        return inputs[a.index]
+    if t is list or t is tuple:
+        return t([decode(x, env, inputs) for x in a])
+    return a
+
+
 def _assign(env, out, out_fids, out_leaves) -> None:
     """Bind a replayed call's results to their fast value ids (values written in place and not returned
     keep theirs: the same tensor, now holding the new data)."""
@@ -118,17 +133,6 @@ class FusedStep:
 
     def forward(self, inputs: list) -> dict:
         env: dict[int, torch.Tensor] = {}
-
-        def dec(a):
-            t = type(a)
-            if t is FV:
-                return env[a.fid]
-            if t is XV:
-                return inputs[a.index]
-            if t is list or t is tuple:
-                return t(dec(x) for x in a)
-            return a
-
         device_type = self.device_type
         with contextlib.ExitStack() as stack:
             amp_now = _amp(device_type)
@@ -140,7 +144,8 @@ class FusedStep:
                     stack.enter_context(torch.autocast(device_type, dtype=amp, enabled=amp is not None))
                     amp_now = amp
                 with torch.set_grad_enabled(grad):
-                    out = func(*[dec(a) for a in args], **{k: dec(v) for k, v in kwargs.items()})
+                    out = func(*[decode(a, env, inputs) for a in args],
+                               **{k: decode(v, env, inputs) for k, v in kwargs.items()})
                 _assign(env, out, out_fids, out_leaves)
         return env
 

@@ -36,7 +36,7 @@ from .tensor import LazyTensor, LiftedScalar, StrictModeError, _make_wrapper, bi
 from .trace import OUT_KINDS, VALUE_REFS, VALUE_SIGS, Entry, LazyStorage, Trace, ValueRef, grow_values, out_kind
 
 __all__ = ["StrictModeError", "LazyTensor", "is_lazy", "to_lazy", "materialize", "current_trace", "install_driver", "Recorder",
-           "LiftedScalar", "liftable", "RECORDER"]
+           "LiftedScalar", "liftable", "RECORDER", "map_nested"]
 
 aten = torch.ops.aten
 METRICS = _metrics.METRICS
@@ -70,6 +70,31 @@ def to_lazy(real: torch.Tensor, *, step_input: bool = False) -> LazyTensor:
 
 
 # --------------------------------------------------------------------------------------------------
+
+
+def map_nested(fn, a):
+    """`fn` applied to `a`, or to each item of the lists and tuples nested in it. (The recursion lives here,
+    not in a closure that calls itself: such a closure is a reference cycle, which keeps what it captured,
+    the tensors of an op, until the next cyclic collection; and collections pause while a step records.)"""
+    if isinstance(a, (list, tuple)):
+        return type(a)(map_nested(fn, x) for x in a)
+    return fn(a)
+
+
+def _to_meta(a):
+    """An op's argument as meta tensors of the same layouts (a lazy tensor's storage size kept)."""
+    if isinstance(a, torch.Tensor):
+        if isinstance(a, LazyTensor):
+            base = torch.empty((hint(a._storage.nbytes) // a.element_size(),), dtype=a.dtype, device="meta")
+            return base.as_strided(*concrete_layout(a))
+        return torch.empty_strided(tuple(a.shape), a.stride(), dtype=a.dtype, device="meta")
+    if isinstance(a, LiftedScalar):   # a 0-d float32 tensor at run time
+        return torch.empty((), dtype=torch.float32, device="meta")
+    if isinstance(a, (list, tuple)):
+        return type(a)(_to_meta(x) for x in a)
+    if isinstance(a, torch.device):
+        return torch.device("meta")
+    return a
 
 class Recorder(SymbolicInputs):
     """Owns the pending trace and records ops into it."""
@@ -273,8 +298,6 @@ class Recorder(SymbolicInputs):
                 return a._real if self.is_clean(a) else materialize(a, reason=str(func))
             if isinstance(a, LiftedScalar):
                 return torch.tensor(a.value, dtype=torch.float32)
-            if isinstance(a, (list, tuple)):
-                return type(a)(unwrap(x) for x in a)
             return a
 
         if count and fallback:
@@ -290,8 +313,8 @@ class Recorder(SymbolicInputs):
                     # pending ops may read this memory: run them before an eager op writes into it
                     self.run(None, "eager write")
                     break
-        real_args = tuple(unwrap(a) for a in args)
-        real_kwargs = {k: unwrap(v) for k, v in kwargs.items()}
+        real_args = tuple(map_nested(unwrap, a) for a in args)
+        real_kwargs = {k: map_nested(unwrap, v) for k, v in kwargs.items()}
         out = func(*real_args, **real_kwargs)
         return self.wrap_eager_outputs(out, args, kwargs, info)
 
@@ -394,23 +417,8 @@ class Recorder(SymbolicInputs):
         return tuple(key)
 
     def compute_meta(self, func, args, kwargs):
-        def to_meta(a):
-            if isinstance(a, torch.Tensor):
-                if isinstance(a, LazyTensor):
-                    base = torch.empty((hint(a._storage.nbytes) // a.element_size(),), dtype=a.dtype,
-                                       device="meta")
-                    return base.as_strided(*concrete_layout(a))
-                return torch.empty_strided(tuple(a.shape), a.stride(), dtype=a.dtype, device="meta")
-            if isinstance(a, LiftedScalar):   # a 0-d float32 tensor at run time
-                return torch.empty((), dtype=torch.float32, device="meta")
-            if isinstance(a, (list, tuple)):
-                return type(a)(to_meta(x) for x in a)
-            if isinstance(a, torch.device):
-                return torch.device("meta")
-            return a
-
-        margs = tuple(to_meta(a) for a in args)
-        mkwargs = {k: to_meta(v) for k, v in kwargs.items()}
+        margs = tuple(_to_meta(a) for a in args)
+        mkwargs = {k: _to_meta(v) for k, v in kwargs.items()}
         out = func(*margs, **mkwargs)
         leaves = out if isinstance(out, (tuple, list)) else (out,)
         descs = []

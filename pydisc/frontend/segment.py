@@ -19,7 +19,7 @@ from torch.utils import _pytree as pytree
 from .. import metrics as _metrics
 from ..config import CONFIG
 from .call_meta import RECIPES, Recipe, call_recipe, on_device
-from .fused import _FVS, FV, XV, Demote, FusedStep, NoMeta, _amp, _fv, _xv
+from .fused import _FVS, FV, XV, Demote, FusedStep, NoMeta, _amp, _fv, _xv, decode
 from .layout import contiguous_strides, layout_key
 from .lazy_tensor import RECORDER, LazyTensor, materialize
 from .meta_keys import constant_part
@@ -306,21 +306,9 @@ class Segment:
         """A call no meta kernel describes, on values computed now: its result if it holds no tensor (a
         read: `bool(mask.all())`); otherwise (a data-dependent shape) the segment is demoted."""
         env = self.evaluate([v.fid for v in slots if type(v) is FV])
-        ext = self.externals
-
-        def real(a):
-            t = type(a)
-            if t is FV:
-                return env[a.fid]
-            if t is XV:
-                x = ext[a.index]
-                return materialize(x) if type(x) is LazyTensor else x
-            if t is list or t is tuple:
-                return t(real(x) for x in a)
-            return a
-
-        args = [real(a) for a in enc_args]
-        kwargs = {k: real(v) for k, v in enc_kwargs.items()}
+        reals = _Reals(self.externals)
+        args = [decode(a, env, reals) for a in enc_args]
+        kwargs = {k: decode(v, env, reals) for k, v in enc_kwargs.items()}
         tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, _Tensor)]
         versions = [x._version for x in tensors]
         try:
@@ -497,6 +485,19 @@ class Segment:
         for o in alive:
             o._fid = None
             o._fseg = None
+
+
+class _Reals:
+    """The device data of a segment's inputs, by index, read when asked for (`decode`)."""
+
+    __slots__ = ("externals",)
+
+    def __init__(self, externals: list) -> None:
+        self.externals = externals
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        x = self.externals[index]
+        return materialize(x) if type(x) is LazyTensor else x
 
 
 def _find(args, kwargs, slot: int):

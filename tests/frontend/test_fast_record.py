@@ -657,3 +657,79 @@ def test_a_second_model_is_not_taken_for_the_first_with_other_sizes(fast_recordi
     # (its first step, whose inputs have other sizes than the step before's, goes through the dispatcher)
     assert m["fast_segments"] == 2 and m["dynamic_eager_steps"] == 0 and m["fast_demotions"] == {}, {
         k: m[k] for k in ("fast_segments", "dynamic_eager_steps", "fast_demotions", "recompiles")}
+
+
+@pytest.mark.parametrize("fast_record", [True, False])
+def test_recording_and_replaying_make_no_reference_cycles(fast_record, fast_recording, replayed_eagerly) -> None:
+    """The cyclic GC pauses while a step records: a reference cycle that pydisc makes around a step's
+    tensors (a nested function that calls itself, capturing them) keeps them alive past the step. Recording
+    (on both paths, with a read mid-forward and an op run eagerly while recording) and replaying the step
+    in torch leave no cyclic garbage that holds a tensor."""
+    import gc
+
+    class Gated(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 5)
+
+        def forward(self, x):
+            h = self.a(x).mean(dim=1)
+            if bool((h.abs() < 1e6).all()):         # a read in the forward
+                h = h * 2
+            n = torch.nonzero(h > 0).shape[0]       # an op whose result's size depends on data
+            return self.b(torch.tanh(h)) + n
+
+    torch.manual_seed(0)
+    model = pydisc.lazy(Gated(), fast_record=fast_record)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(4, 6, 16), torch.randint(0, 5, (4,))
+
+    def step():
+        _ce(model, x, y)
+        opt.step()
+        opt.zero_grad()
+        pydisc.mark_step()
+
+    step()                                          # recipes, optimizer state
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        for _ in range(2):
+            step()
+        gc.collect()
+        held = [tuple(o.shape) for o in gc.garbage if isinstance(o, torch.Tensor)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        if enabled:
+            gc.enable()
+    assert held == [], held
+
+
+def test_a_recompile_of_a_fast_step_names_the_call_that_changed(fast_recording) -> None:
+    """A constant of one call in a forward recorded at `__torch_function__` changes: the plan is made again,
+    and the reason names that call and the values, not the whole forward's signature."""
+    class Capped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 5)
+            self.cap = 1.5
+
+        def forward(self, x):
+            return self.b(torch.clamp(self.a(x), max=self.cap)).mean(dim=1)
+
+    torch.manual_seed(0)
+    ref = Capped()
+    model = pydisc.lazy(copy.deepcopy(ref))
+    x, y = torch.randn(4, 6, 16), torch.randint(0, 5, (4,))
+    for cap in (1.5, 1.5, 1.5, 0.25):
+        for m in (ref, model):
+            m.cap = cap
+            m.zero_grad()
+            _ce(m, x, y)
+        pydisc.mark_step()
+    torch.testing.assert_close(model.a.weight.grad.cpu(), ref.a.weight.grad, rtol=1e-5, atol=1e-6)
+    reasons = pydisc.metrics()["recompiles"]
+    assert any("call #1 (torch.clamp) argument changed" in r and "1.5" in r and "0.25" in r for r in reasons), reasons
