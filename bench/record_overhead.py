@@ -241,10 +241,14 @@ def _time_runners() -> list[float]:
     return seconds
 
 
-def compare_async(workload: Workload, blocks: int, warmup: int, block: int = 10) -> tuple[float, float, float, int]:
+def compare_async(workload: Workload, blocks: int, warmup: int, block: int = 10,
+                  intervals: tuple[float, ...] = ()) -> dict[str, float]:
     """Eager, PYDISC_ASYNC on and PYDISC_ASYNC off, in one process, taking turns in blocks of `block` steps,
-    each pydisc block ending in `pydisc.synchronize()`: the median ms per step of each, and how many steps
-    ran on the worker. (Two processes, one per setting, differed by more than the setting on a shared VM.)"""
+    each pydisc block ending in `pydisc.synchronize()`: the median ms per step of each ("eager", "on",
+    "off"; "on <s>" for each GIL switch interval in `intervals` that a step in flight sets, instead of
+    pydisc's), and "runs", how many steps ran on the worker. (Two processes, one per setting, differed by
+    more than the setting on a shared VM.)"""
+    from pydisc.driver import inflight
     torch.manual_seed(0)
     eager = workload.make_model()
     lazy = pydisc.lazy(copy.deepcopy(eager))
@@ -261,12 +265,14 @@ def compare_async(workload: Workload, blocks: int, warmup: int, block: int = 10)
         pydisc.mark_step()
     pydisc.synchronize()
     runs_before = METRICS.async_runs
-    times: dict[str, list[float]] = {"eager": [], "on": [], "off": []}
-    setting = pydisc.config.CONFIG.async_cpu
+    modes = {"eager": None, "off": None, **({"on %g" % s: s for s in intervals} if intervals else {"on": None})}
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    setting, interval = pydisc.config.CONFIG.async_cpu, inflight.SWITCH_INTERVAL
     try:
         for _ in range(blocks):
-            for mode in times:
-                pydisc.config.CONFIG.async_cpu = mode == "on"
+            for mode, seconds in modes.items():
+                pydisc.config.CONFIG.async_cpu = mode.startswith("on")
+                inflight.SWITCH_INTERVAL = seconds or interval
                 started = time.perf_counter()
                 for _ in range(block):
                     if mode == "eager":
@@ -277,9 +283,8 @@ def compare_async(workload: Workload, blocks: int, warmup: int, block: int = 10)
                 pydisc.synchronize()
                 times[mode].append((time.perf_counter() - started) / block * 1e3)
     finally:
-        pydisc.config.CONFIG.async_cpu = setting
-    return (statistics.median(times["eager"]), statistics.median(times["on"]), statistics.median(times["off"]),
-            METRICS.async_runs - runs_before)
+        pydisc.config.CONFIG.async_cpu, inflight.SWITCH_INTERVAL = setting, interval
+    return {**{mode: statistics.median(t) for mode, t in times.items()}, "runs": METRICS.async_runs - runs_before}
 
 
 def main() -> None:
@@ -299,18 +304,26 @@ def main() -> None:
     p.add_argument("--compare-async", action="store_true",
                    help="instead: eager, PYDISC_ASYNC=1 and PYDISC_ASYNC=0 taking turns in one process "
                         "(--repeats blocks of 10 steps each, fast recording as configured)")
+    p.add_argument("--intervals", default="",
+                   help="with --compare-async: comma-separated GIL switch intervals (seconds) that a step in "
+                        "flight sets, each a column of its own, instead of pydisc's")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.compare_async:
         print("torch %s, %d thread(s), median ms per step over %d blocks of 10 steps, taking turns"
               % (torch.__version__, torch.get_num_threads(), args.repeats))
         print()
-        print("| model | eager | PYDISC_ASYNC=1 | PYDISC_ASYNC=0 | steps on the worker |")
-        print("| --- | ---: | ---: | ---: | ---: |")
+        intervals = tuple(float(s) for s in args.intervals.split(",") if s)
+        ons = ["on %g" % s for s in intervals] or ["on"]
+        print("| model | eager | %s | PYDISC_ASYNC=0 | steps on the worker |"
+              % " | ".join("PYDISC_ASYNC=1" + (", interval %s s" % m[3:] if m != "on" else "") for m in ons))
+        print("| --- | ---: | %s---: | ---: |" % ("---: | " * len(ons)))
         for name in args.models.split(","):
-            e, on, off, runs = compare_async(WORKLOADS[name], args.repeats, args.warmup)
-            print("| %s | %.2f ms | %.2f ms (%.2fx) | %.2f ms (%.2fx) | %d |"
-                  % (WORKLOADS[name].name, e, on, on / e, off, off / e, runs))
+            r = compare_async(WORKLOADS[name], args.repeats, args.warmup, intervals=intervals)
+            e = r["eager"]
+            print("| %s | %.2f ms | %s | %.2f ms (%.2fx) | %d |" % (
+                WORKLOADS[name].name, e, " | ".join("%.2f ms (%.2fx)" % (r[m], r[m] / e) for m in ons),
+                r["off"], r["off"] / e, r["runs"]))
         return
     stat = statistics.median if args.stat == "median" else min
     paths = {"both": (False, True), "on": (True,), "off": (False,)}[args.fast]
