@@ -157,19 +157,25 @@ class Result:
     total_ms: float          # a lazy step's share of its block's wall time, synchronised at the end, at eager's scale
 
 
-def measure(workload: Workload, repeats: int, warmup: int, stat: Callable[[list[float]], float],
-            fast_record: bool, block: int = 10) -> Result:
+def _setup(workload: Workload, fast_record: bool | None) -> tuple:
+    """An eager model and its lazy copy, an SGD optimizer for each, and one batch: (eager, lazy, eager's
+    optimizer, lazy's, x, y)."""
     torch.manual_seed(0)
     eager = workload.make_model()
     lazy = pydisc.lazy(copy.deepcopy(eager), fast_record=fast_record)
     make_opt = lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9)  # noqa: E731
-    eager_opt, lazy_opt = make_opt(eager.parameters()), make_opt(lazy.parameters())
     if workload.vocab:
         x = torch.randint(0, workload.vocab, workload.input_shape)
         y = torch.randint(0, workload.vocab, workload.input_shape)
     else:
         x = torch.randn(workload.input_shape)
         y = torch.randint(0, 10, (workload.input_shape[0],))
+    return eager, lazy, make_opt(eager.parameters()), make_opt(lazy.parameters()), x, y
+
+
+def measure(workload: Workload, repeats: int, warmup: int, stat: Callable[[list[float]], float],
+            fast_record: bool, block: int = 10) -> Result:
+    eager, lazy, eager_opt, lazy_opt, x, y = _setup(workload, fast_record)
     step = lambda model, opt: train_step(model, opt, x, y, workload.loss)  # noqa: E731
 
     for _ in range(warmup):   # momentum buffers appear in step 1: the ops change once, then stay
@@ -249,17 +255,7 @@ def compare_async(workload: Workload, blocks: int, warmup: int, block: int = 10,
     pydisc's), and "runs", how many steps ran on the worker. (Two processes, one per setting, differed by
     more than the setting on a shared VM.)"""
     from pydisc.driver import inflight
-    torch.manual_seed(0)
-    eager = workload.make_model()
-    lazy = pydisc.lazy(copy.deepcopy(eager))
-    make_opt = lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9)  # noqa: E731
-    eager_opt, lazy_opt = make_opt(eager.parameters()), make_opt(lazy.parameters())
-    if workload.vocab:
-        x = torch.randint(0, workload.vocab, workload.input_shape)
-        y = torch.randint(0, workload.vocab, workload.input_shape)
-    else:
-        x = torch.randn(workload.input_shape)
-        y = torch.randint(0, 10, (workload.input_shape[0],))
+    eager, lazy, eager_opt, lazy_opt, x, y = _setup(workload, None)
     for _ in range(warmup):
         train_step(lazy, lazy_opt, x, y, workload.loss)
         pydisc.mark_step()

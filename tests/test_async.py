@@ -51,14 +51,34 @@ def _pair():
     return eager, make(eager), lazy, make(lazy)
 
 
-def test_training_equals_eager_and_the_synchronous_run(fresh, monkeypatch):
-    """Losses read one step late (after the next step recorded, as a loop that logs does) and the final
-    parameters equal eager's and those of the same run with PYDISC_ASYNC=0."""
+def _with_and_without_worker(monkeypatch, train) -> dict:
+    """`train()`, one run (its lazy losses, eager's, the lazy and the eager model), with PYDISC_ASYNC on and
+    off: each equals eager, the two equal each other bit for bit, and steps ran on the worker only with it
+    on. Returns the metrics of the run with it on."""
     results = {}
     for on in (True, False):
         monkeypatch.setattr(CONFIG, "async_cpu", on)
         pydisc.clear_plans()
         pydisc.reset_metrics()
+        losses, want, lazy, eager = train()
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-5, atol=1e-6)
+        params = [p.detach().clone() for p in lazy.parameters()]
+        for p, q in zip(params, eager.parameters()):
+            torch.testing.assert_close(p, q.detach(), rtol=1e-5, atol=1e-6)
+        results[on] = (losses, params, pydisc.metrics())
+    (losses_on, params_on, m_on), (losses_off, params_off, m_off) = results[True], results[False]
+    # (steps 1-2 make the momentum buffers and compile; a plan's first two runs stay on the main thread)
+    assert m_on["async_runs"] >= 2 and m_off["async_runs"] == 0, (m_on["async_runs"], m_off["async_runs"])
+    assert losses_on == losses_off
+    for a, b in zip(params_on, params_off):
+        assert torch.equal(a, b)
+    return m_on
+
+
+def test_training_equals_eager_and_the_synchronous_run(fresh, monkeypatch):
+    """Losses read one step late (after the next step recorded, as a loop that logs does) and the final
+    parameters equal eager's and those of the same run with PYDISC_ASYNC=0."""
+    def train():
         eager, eager_opt, lazy, lazy_opt = _pair()
         losses, want, pending = [], [], None
         for x, y in _batches(STEPS):
@@ -69,17 +89,9 @@ def test_training_equals_eager_and_the_synchronous_run(fresh, monkeypatch):
             pydisc.mark_step()
             pending = got
         losses.append(pending.item())
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-5, atol=1e-6)
-        params = [p.detach().clone() for p in lazy.parameters()]
-        for p, q in zip(params, eager.parameters()):
-            torch.testing.assert_close(p, q.detach(), rtol=1e-5, atol=1e-6)
-        results[on] = (losses, params, pydisc.metrics())
-    (losses_on, params_on, m_on), (losses_off, params_off, m_off) = results[True], results[False]
-    # (steps 1-2 make the momentum buffers and compile; a plan's first two runs stay on the main thread)
-    assert m_on["async_runs"] >= 2 and m_off["async_runs"] == 0
-    assert losses_on == losses_off
-    for a, b in zip(params_on, params_off):
-        assert torch.equal(a, b)
+        return losses, want, lazy, eager
+
+    _with_and_without_worker(monkeypatch, train)
 
 
 def test_a_step_with_dropout_runs_on_the_worker_and_draws_eagers_numbers(fresh, monkeypatch):
@@ -91,11 +103,7 @@ def test_a_step_with_dropout_runs_on_the_worker_and_draws_eagers_numbers(fresh, 
         return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Dropout(0.3),
                                    torch.nn.Linear(16, 4))
 
-    results = {}
-    for on in (True, False):
-        monkeypatch.setattr(CONFIG, "async_cpu", on)
-        pydisc.clear_plans()
-        pydisc.reset_metrics()
+    def train():
         eager, lazy = model(), pydisc.lazy(model())
         eager_opt, lazy_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (eager, lazy))
         losses, want = [], []
@@ -108,17 +116,9 @@ def test_a_step_with_dropout_runs_on_the_worker_and_draws_eagers_numbers(fresh, 
             losses.append(_step(lazy, lazy_opt, x, y))
             pydisc.mark_step()
             torch.rand(3)
-        losses = [loss.item() for loss in losses]
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-5, atol=1e-6)
-        params = [p.detach().clone() for p in lazy.parameters()]
-        for p, q in zip(params, eager.parameters()):
-            torch.testing.assert_close(p, q.detach(), rtol=1e-5, atol=1e-6)
-        results[on] = (losses, params, pydisc.metrics())
-    (losses_on, params_on, m_on), (losses_off, params_off, m_off) = results[True], results[False]
-    assert m_on["async_runs"] >= 2 and m_off["async_runs"] == 0, (m_on["async_runs"], m_off["async_runs"])
-    assert losses_on == losses_off
-    for a, b in zip(params_on, params_off):
-        assert torch.equal(a, b)
+        return [loss.item() for loss in losses], want, lazy, eager
+
+    _with_and_without_worker(monkeypatch, train)
 
 
 def test_clusters_that_torchs_ops_do_not_read_run_on_the_worker(fresh, monkeypatch):
@@ -126,28 +126,17 @@ def test_clusters_that_torchs_ops_do_not_read_run_on_the_worker(fresh, monkeypat
     those clusters run at mark_step, and the last one, which no op of torch reads (the optimizer's update),
     on the worker. Values equal eager's and PYDISC_ASYNC=0's."""
     monkeypatch.setattr(CONFIG, "cpu_matmul", "torch")
-    results = {}
-    for on in (True, False):
-        monkeypatch.setattr(CONFIG, "async_cpu", on)
-        pydisc.clear_plans()
-        pydisc.reset_metrics()
+
+    def train():
         eager, eager_opt, lazy, lazy_opt = _pair()
         losses, want = [], []
         for x, y in _batches(STEPS):
             want.append(_step(eager, eager_opt, x, y).item())
             losses.append(_step(lazy, lazy_opt, x, y))
             pydisc.mark_step()
-        losses = [loss.item() for loss in losses]
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-5, atol=1e-6)
-        params = [p.detach().clone() for p in lazy.parameters()]
-        for p, q in zip(params, eager.parameters()):
-            torch.testing.assert_close(p, q.detach(), rtol=1e-5, atol=1e-6)
-        results[on] = (losses, params, pydisc.metrics())
-    (losses_on, params_on, m_on), (losses_off, params_off, m_off) = results[True], results[False]
-    assert m_on["library_ops"] and m_on["async_runs"] >= 2 and m_off["async_runs"] == 0, m_on
-    assert losses_on == losses_off
-    for a, b in zip(params_on, params_off):
-        assert torch.equal(a, b)
+        return [loss.item() for loss in losses], want, lazy, eager
+
+    assert _with_and_without_worker(monkeypatch, train)["library_ops"]
 
 
 def _blocked_worker():

@@ -126,18 +126,24 @@ def test_gradients_accumulate_over_micro_batches(fast_recording) -> None:
     assert pydisc.metrics()["fast_segments"] == 6
 
 
+class Gated(nn.Module):
+    """A read in the forward (as HF's mask checks do), and, with `count_positive`, an op whose result's size
+    depends on data."""
+
+    def __init__(self, count_positive: bool = False) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 5)
+        self.count_positive = count_positive
+
+    def forward(self, x):
+        h = self.a(x).mean(dim=1)
+        if bool((h.abs() < 1e6).all()):
+            h = h * 2
+        out = self.b(torch.tanh(h))
+        return out + torch.nonzero(h > 0).shape[0] if self.count_positive else out
+
+
 def test_a_read_in_the_forward_is_computed_apart_without_demoting(fast_recording) -> None:
-    class Gated(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 5)
-
-        def forward(self, x):
-            h = self.a(x).mean(dim=1)
-            if bool((h.abs() < 1e6).all()):     # as HF's mask checks do
-                h = h * 2
-            return self.b(torch.tanh(h))
-
     losses, lazy_losses, ref, model = _train(Gated, _ce)
     _assert_same(ref, model, losses, lazy_losses)
     m = pydisc.metrics()
@@ -667,20 +673,8 @@ def test_recording_and_replaying_make_no_reference_cycles(fast_record, fast_reco
     in torch leave no cyclic garbage that holds a tensor."""
     import gc
 
-    class Gated(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 5)
-
-        def forward(self, x):
-            h = self.a(x).mean(dim=1)
-            if bool((h.abs() < 1e6).all()):         # a read in the forward
-                h = h * 2
-            n = torch.nonzero(h > 0).shape[0]       # an op whose result's size depends on data
-            return self.b(torch.tanh(h)) + n
-
     torch.manual_seed(0)
-    model = pydisc.lazy(Gated(), fast_record=fast_record)
+    model = pydisc.lazy(Gated(count_positive=True), fast_record=fast_record)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     x, y = torch.randn(4, 6, 16), torch.randint(0, 5, (4,))
 
