@@ -37,6 +37,7 @@ class Metrics:
     fast_segments: int = 0            # ... forwards (with their backward) recorded that way, as one entry each
     fast_reads: int = 0               # ... values of theirs read before mark_step, computed apart by torch
     fast_demotions: Counter = field(default_factory=Counter)   # reason -> segments re-recorded by the dispatcher
+    fast_skipped: int = 0             # forwards recorded op by op at once: their module's demoted twice in a row
     compile_seconds: float = 0.0
     plan_seconds: float = 0.0         # functionalize + partition + emit on graph cache misses
     fallback_ops: Counter = field(default_factory=Counter)      # ATen op name -> eager runs

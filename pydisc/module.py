@@ -51,7 +51,7 @@ def _pre_hook(device: torch.device):
             moved = _moved(args, device), _moved(kwargs, device)
             return None if moved[0] is args and moved[1] is kwargs else moved
         inference.use_for_forward()     # F.linear and matmul recorded whole where no grad is recorded
-        fast.arm(module._pydisc_fast_record, device)    # a forward with grad recorded at __torch_function__
+        fast.arm(module._pydisc_fast_record, device, module)  # a forward with grad recorded at __torch_function__
         release_factory_mode()          # (no dispatch is under way here)
         return _lazy_input(args, device), _lazy_input(kwargs, device)
     return hook

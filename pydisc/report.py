@@ -26,8 +26,9 @@ def metrics_report(top: int = 10) -> str:
         "  planning time        %.2f s" % m.plan_seconds,
     ]
     if m.fast_demotions:
-        lines.append("  fast path demoted    %s (re-recorded op by op)" % ", ".join(
-            "%s x%d" % kv for kv in m.fast_demotions.most_common(top)))
+        lines.append("  fast path demoted    %s (re-recorded op by op)%s" % (", ".join(
+            "%s x%d" % kv for kv in m.fast_demotions.most_common(top)),
+            "; then %d forwards recorded op by op at once" % m.fast_skipped if m.fast_skipped else ""))
     for source, count in m.materialization_sources.most_common(3):
         lines.append("    read x%d at %s" % (count, source))
     total = sum(m.fallback_ops.values())

@@ -67,20 +67,33 @@ def set_default(scope: str) -> None:
     FAST.default = scope
 
 
-def arm(module_choice: bool | None = None, device: torch.device | None = None) -> None:
+def arm(module_choice: bool | None = None, device: torch.device | None = None,
+        module: torch.nn.Module | None = None) -> None:
     """A lazy module's forward begins (its input hook): with grad on, its calls open a segment, if the
     module's choice (`pydisc.lazy(..., fast_record=)`, None: the process's default for `device`) is to
-    record fast."""
+    record fast, and unless the module's forwards in its current mode (training or eval) were demoted at
+    `GIVE_UP_AFTER` steps in a row: the same code would be recorded twice again (BatchNorm's running
+    statistics in training), so it is recorded op by op at once."""
     if module_choice is None:
         module_choice = device is not None and applies(FAST.default, device)
     if not module_choice:
         return
+    grad = _grad_enabled()
+    if grad and FAST.segment is None and module is not None and \
+            FAST.demoted_in_a_row.get(module, {}).get(module.training, 0) >= GIVE_UP_AFTER:
+        METRICS.fast_skipped += 1
+        return
     if not FAST.installed:
         install(default=False)
     _handler_on()
-    if FAST.segment is None and _grad_enabled():
+    if FAST.segment is None and grad:
         FAST.armed = True
+        FAST.armed_by = (module, module.training) if module is not None else None
         FAST.owner = threading.get_ident()
+
+
+# Demotions of a module's forwards in a row after which it records op by op (`arm`).
+GIVE_UP_AFTER = 2
 
 
 def refuse(reason: str) -> None:
@@ -211,6 +224,7 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
             if device is None:
                 return _default(func, args, kwargs)
             seg = FAST.segment = Segment(device)
+            seg.armed_by, FAST.armed_by = FAST.armed_by, None
             FAST.armed = False
         try:
             if func in _BACKWARDS:

@@ -65,6 +65,7 @@ class Segment:
         self.ext_versions: list[int] = []
         self.started = time.perf_counter()
         self.meta_seconds = 0.0
+        self.armed_by = None                # (module, its training mode) whose forward opened it (fast.arm)
         if CONFIG.gc_pause and gc.isenabled() and not RECORDER.gc_paused:
             # as for a step recorded by the dispatcher (Recorder.dispatch): no cyclic GC while it records,
             # which also makes the values alive at the segment's end the same every step (`close`)
@@ -335,6 +336,7 @@ class Segment:
         FAST.segment = None
         FAST.demoted = FAST.redirected = True
         METRICS.fast_demotions[reason] += 1
+        FAST.note(self.armed_by, demoted=True)
         env = FusedStep(tuple(self.entries), len(self.externals), (), None, (),
                         self.device.type).forward(list(self.externals))
         for o in self.alive():
@@ -435,6 +437,7 @@ class Segment:
         for o in alive:
             o._fid = None
             o._fseg = None
+        FAST.note(self.armed_by, demoted=False)
 
     def _new_value(self, trace, kind, size, stride, offset, dtype, nbytes, storage, epoch, obj=None):
         fresh = storage is None
@@ -535,6 +538,17 @@ class _Fast:
         self.gate = None            # a function saying whether segments may start (dynamic shapes)
         self.default = "off"        # devices whose lazy modules (with no `fast_record` of their own) record fast
         self.refused = None         # why no more segments start in this process (a fused step that failed)
+        self.armed_by = None        # (module, training mode) whose forward armed the next segment
+        # module -> {training mode: its forwards' segments demoted in a row} (fast.arm gives up on a mode)
+        self.demoted_in_a_row: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def note(self, armed_by, demoted: bool) -> None:
+        """A segment that `armed_by`'s forward opened was demoted, or closed as a fused step."""
+        if armed_by is None:
+            return
+        module, training = armed_by
+        counts = self.demoted_in_a_row.setdefault(module, {})
+        counts[training] = counts.get(training, 0) + 1 if demoted else 0
 
 
 FAST = _Fast()
