@@ -25,10 +25,12 @@ def metrics_report(top: int = 10) -> str:
             if m.reads_run_eagerly else ""),
         "  planning time        %.2f s" % m.plan_seconds,
     ]
+    skipped = "%d forwards recorded op by op at once (their module's were demoted twice in a row)" % m.fast_skipped
     if m.fast_demotions:
         lines.append("  fast path demoted    %s (re-recorded op by op)%s" % (", ".join(
-            "%s x%d" % kv for kv in m.fast_demotions.most_common(top)),
-            "; then %d forwards recorded op by op at once" % m.fast_skipped if m.fast_skipped else ""))
+            "%s x%d" % kv for kv in m.fast_demotions.most_common(top)), "; then " + skipped if m.fast_skipped else ""))
+    elif m.fast_skipped:
+        lines.append("  fast path skipped    " + skipped)
     for source, count in m.materialization_sources.most_common(3):
         lines.append("    read x%d at %s" % (count, source))
     total = sum(m.fallback_ops.values())
