@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # Recording is what is timed: the measured step choice would switch these small CPU steps to eager.
 os.environ.setdefault("PYDISC_STEP_CHOICE", "off")
 import pydisc  # noqa: E402
+from pydisc.driver import inflight  # noqa: E402
 from pydisc.metrics import METRICS  # noqa: E402  (counters read without waiting for a step in flight)
 
 
@@ -254,7 +255,6 @@ def compare_async(workload: Workload, blocks: int, warmup: int, block: int = 10,
     "off"; "on <s>" for each GIL switch interval in `intervals` that a step in flight sets, instead of
     pydisc's), and "runs", how many steps ran on the worker. (Two processes, one per setting, differed by
     more than the setting on a shared VM.)"""
-    from pydisc.driver import inflight
     eager, lazy, eager_opt, lazy_opt, x, y = _setup(workload, None)
     for _ in range(warmup):
         train_step(lazy, lazy_opt, x, y, workload.loss)

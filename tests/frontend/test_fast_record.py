@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 
 import pydisc
 from pydisc.driver import dynamic
-from pydisc.frontend import fast
+from pydisc.frontend import fast, segment
 from pydisc.metrics import METRICS
 
 
@@ -600,10 +601,6 @@ def test_a_segment_end_collects_cycles_only_where_they_hold_its_values(fast_reco
     """A segment's end runs the cyclic GC where values of the forward may be held by reference cycles
     alone (they would become outputs of the step); not every step where some library leaves cycles of
     its own, nor because of pydisc's own bookkeeping (a call returning its argument)."""
-    import gc
-
-    from pydisc.frontend import segment
-
     collections = []
 
     class _GC:
@@ -673,8 +670,6 @@ def test_recording_and_replaying_make_no_reference_cycles(fast_record, fast_reco
     tensors (a nested function that calls itself, capturing them) keeps them alive past the step. Recording
     (on both paths, with a read mid-forward and an op run eagerly while recording) and replaying the step
     in torch leave no cyclic garbage that holds a tensor."""
-    import gc
-
     torch.manual_seed(0)
     model = pydisc.lazy(Gated(count_positive=True), fast_record=fast_record)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
