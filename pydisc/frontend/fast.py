@@ -308,7 +308,7 @@ def park() -> None:
     between forwards there are many: the optimizer's and `zero_grad`'s reads and writes of `.grad`,
     `mark_step`'s binding. The calls that follow go to the dispatcher as they would with fast recording
     off; a forward without grad turns the handler on too (`inference`), until the next `mark_step`."""
-    if FAST.installed and FAST.segment is None and not FAST.armed and not FAST.redirected and \
+    if FAST.installed and FAST.segment is None and not FAST.armed and not FAST.still_redirected() and \
             LazyTensor.__dict__.get("__torch_function__") is _INSTALLED:
         _restore_class_handler()
 

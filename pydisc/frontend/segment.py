@@ -342,6 +342,7 @@ class Segment:
         for o in self.alive():
             if o._fid in env:
                 o._redirect = env[o._fid]
+                FAST.redirects.append(weakref.ref(o))
             o._fid = None
             o._fseg = None
 
@@ -531,16 +532,24 @@ class _Fast:
         self.owner = 0              # ... on this thread (other threads' calls take the dispatcher's path)
         self.demoted = False
         self.redirected = False     # some segment was demoted: its fast values may still be around
+        self.redirects: list[weakref.ref] = []  # ... those values (`still_redirected`)
         self.last_alive = None      # the fast values alive at the last segment's end (`Segment.close`)
         self.cycles = True          # the last collection at a segment's end freed values of the segment
         self.installed = False      # fast recording is on (fast.install); its handler sits on the class only
-                                    # while a forward records, or for good once some segment was demoted
+                                    # while a forward records, or while a demoted segment's values live
         self.gate = None            # a function saying whether segments may start (dynamic shapes)
         self.default = "off"        # devices whose lazy modules (with no `fast_record` of their own) record fast
         self.refused = None         # why no more segments start in this process (a fused step that failed)
         self.armed_by = None        # (module, training mode) whose forward armed the next segment
         # module -> {training mode: its forwards' segments demoted in a row} (fast.arm gives up on a mode)
         self.demoted_in_a_row: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def still_redirected(self) -> bool:
+        """Whether a value of a demoted segment is still alive: calls on it must be forwarded (fast.park)."""
+        if self.redirected:
+            self.redirects = [r for r in self.redirects if r() is not None]
+            self.redirected = bool(self.redirects)
+        return self.redirected
 
     def note(self, armed_by, demoted: bool) -> None:
         """A segment that `armed_by`'s forward opened was demoted, or closed as a fused step."""
