@@ -276,7 +276,8 @@ def optimizers_take_their_foreach_path() -> None:
     is left to torch (None), the step runs the foreach implementation instead (set for the step by an
     optimizer step pre-hook, put back by the post-hook, so `state_dict()` is unchanged). Both compute
     the same formulas op for op: SGD, Adam(W), RMSprop, Adagrad, Adamax, Adadelta and Rprop give
-    bit-equal parameters, NAdam, RAdam and ASGD differ by an ulp."""
+    bit-equal parameters, NAdam, RAdam and ASGD differ by an ulp. Except where the foreach implementation
+    writes what the loop leaves alone (`_writes_grads`): those groups keep eager's loop."""
     import torch.optim.optimizer as optimizer_module   # torch.optim deletes its `optimizer` attribute
 
     types = getattr(optimizer_module, "_foreach_supported_types", None)
@@ -299,7 +300,7 @@ def _foreach_for_lazy_groups(optimizer, args, kwargs) -> None:
         params = group.get("params")
         if ("foreach" in group and group["foreach"] is None and not group.get("fused")
                 and not group.get("differentiable") and params
-                and all(type(p) is LazyTensor for p in params)):
+                and all(type(p) is LazyTensor for p in params) and not _writes_grads(optimizer, group)):
             group["foreach"] = True
             flipped.append(group)
     if flipped:
@@ -307,6 +308,16 @@ def _foreach_for_lazy_groups(optimizer, args, kwargs) -> None:
         if not optimizer.__dict__.get(_REPORTS):
             optimizer.register_state_dict_post_hook(_as_left_to_torch)
             setattr(optimizer, _REPORTS, True)
+
+
+def _writes_grads(optimizer, group: dict) -> bool:
+    """Whether the group's foreach step writes its parameters' `.grad` in place where eager's per-parameter
+    loop on the CPU does not: SGD with Nesterov momentum adds the momentum into the gradients themselves
+    (unless `maximize` or a weight decay made them a copy first), so `.grad` read after `step()` would
+    differ from eager's. (On CUDA eager takes the foreach path and writes them too; the flip is CPU-only
+    anyway: a lazy CUDA group with `foreach` None takes torch's default, foreach.)"""
+    return isinstance(optimizer, torch.optim.SGD) and bool(group.get("nesterov")) and \
+        group.get("momentum", 0) != 0 and not group.get("maximize") and group.get("weight_decay", 0) == 0
 
 
 def _foreach_put_back(optimizer, args, kwargs) -> None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import pydisc
-from pydisc.frontend.foreach import SplitForeach
+from pydisc.frontend.foreach import SplitForeach, _writes_grads
 from pydisc.frontend.lazy_tensor import current_trace
 
 SHAPES = [(3, 4), (5,), (2, 3, 2)]
@@ -297,3 +297,31 @@ def test_a_step_that_raised_leaves_the_saved_foreach_setting_as_the_user_left_it
     opt.step()                  # the next step puts it back first
     pydisc.mark_step()
     assert opt.param_groups[0]["foreach"] is None
+
+
+_CONFIGS = [(torch.optim.SGD, dict(momentum=m, nesterov=n, weight_decay=w, maximize=mx))
+            for m in (0.0, 0.9) for n in (False, True) for w in (0.0, 0.1) for mx in (False, True) if not (n and not m)]
+_CONFIGS += [(cls, dict(weight_decay=w, maximize=mx)) for cls in (
+    torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adamax,
+    torch.optim.Adadelta, torch.optim.NAdam, torch.optim.RAdam, torch.optim.ASGD) for w in (0.0, 0.1) for mx in (False, True)]
+
+
+@pytest.mark.parametrize("cls,options", _CONFIGS, ids=["%s-%s" % (c.__name__, "-".join(
+    "%s%s" % (k, v) for k, v in o.items())) for c, o in _CONFIGS])
+def test_the_foreach_steps_that_write_gradients_are_the_ones_pydisc_leaves_to_the_loop(cls, options) -> None:
+    """pydisc runs lazy CPU groups with torch's foreach step (`optimizers_take_their_foreach_path`) except
+    where it writes `.grad` where eager's per-parameter loop does not (`_writes_grads`). This holds that
+    list to what this torch does, in eager: a newer torch that writes gradients elsewhere fails here."""
+    torch.manual_seed(0)
+    base, x = torch.nn.Linear(4, 3), torch.randn(5, 4)
+    grads = []
+    for foreach in (False, True):
+        model = copy.deepcopy(base)
+        opt = cls(model.parameters(), lr=0.1, foreach=foreach, **options)
+        for _ in range(2):
+            opt.zero_grad()
+            model(x).pow(2).sum().backward()
+            opt.step()
+        grads.append([p.grad for p in model.parameters()])
+    same = all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(*grads))
+    assert same != _writes_grads(opt, opt.param_groups[0])

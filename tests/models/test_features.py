@@ -140,6 +140,37 @@ def test_optimizer_matches_eager(name: str, device: str) -> None:
     assert run.plans[-1] == run.plans[1], "steps after the second planned again: %s" % run.plans
 
 
+GRADS_AFTER_STEP = {
+    "sgd_nesterov": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True),
+    "sgd_nesterov_maximize": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, maximize=True),
+    "adam_weight_decay": lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.1),
+    "adagrad_weight_decay": lambda p: torch.optim.Adagrad(p, lr=1e-2, weight_decay=0.1),
+    "adamax_maximize": lambda p: torch.optim.Adamax(p, lr=1e-2, maximize=True),
+}
+
+
+@pytest.mark.parametrize("name", list(GRADS_AFTER_STEP))
+def test_gradients_read_after_the_optimizer_step_are_eagers(name: str) -> None:
+    """pydisc runs a lazy group's step with torch's foreach implementation where eager's CPU default is the
+    per-parameter loop; where the two differ in what they write besides parameters and state (SGD with
+    Nesterov momentum adds the momentum into `.grad` in its foreach form), `.grad` read after `step()`
+    must still be eager's."""
+    def step(t: Trainee, x, y):
+        loss = F.cross_entropy(t.model(x), y)
+        loss.backward()
+        t.opt.step()
+        t.extras.append([p.grad.clone() for p in t.model.parameters()])
+        t.opt.zero_grad()
+        return loss
+
+    run = train_side_by_side(tiny_mlp, with_optimizer(GRADS_AFTER_STEP[name]), data(3), step)
+    assert_losses_equal(run)
+    assert_state_equal(run.eager.model, run.lazy.model)
+    for grads_e, grads_l in zip(run.eager.extras, run.lazy.extras):
+        for ge, gl in zip(grads_e, grads_l):
+            torch.testing.assert_close(gl.cpu(), ge, rtol=1e-5, atol=1e-7)
+
+
 # ---- gradient clipping -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("device", DEVICES)
