@@ -168,7 +168,7 @@ class FusedStep:
                 loss, vjp, values = torch.func.vjp(fwd, *[inputs[i] for i in leaves], has_aux=True)
                 grads = vjp(torch.ones_like(loss))
             # (the segment declares the gradients contiguous, Segment.close)
-            return [*[g.contiguous() for g in grads], *values]
+            return _distinct([*[g.contiguous() for g in grads], *values])
         # replayed eagerly: autograd itself, as eager's backward (torch.func.vjp fails on a few programs
         # autograd runs: HF T5's attention under bf16 autocast on the CPU)
         with torch.enable_grad(), _autograd_dispatched():
@@ -180,7 +180,20 @@ class FusedStep:
             env = self.forward(values)
             grads = torch.autograd.grad(env[self.loss], params, allow_unused=True)
         grads = [torch.zeros_like(p) if g is None else g.contiguous() for g, p in zip(grads, params)]
-        return [*grads, *[env[f].detach() for f in self.outputs]]
+        return _distinct([*grads, *[env[f].detach() for f in self.outputs]])
+
+
+def _distinct(outputs: list) -> list:
+    """Each output its own tensor: a backward formula may give one tensor as the gradient of two
+    parameters (an LSTM's two biases), and each is a value of its own in the step's trace, which a later
+    op may write in place (SGD's Nesterov step adds into `.grad`); eager's autograd, too, gives two
+    leaves two tensors."""
+    seen = set()
+    for i, t in enumerate(outputs):
+        if id(t) in seen:
+            outputs[i] = t = t.clone()
+        seen.add(id(t))
+    return outputs
 
 
 @contextlib.contextmanager

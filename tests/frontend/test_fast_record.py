@@ -780,3 +780,37 @@ def test_the_handler_leaves_the_class_once_a_demoted_segments_values_are_gone(fa
 
 def _handler_on_class() -> bool:
     return LazyTensor.__dict__.get("__torch_function__") is fast._INSTALLED
+
+
+class _Summed(nn.Module):
+    """Two parameters whose sum is used: the backward of `a + b` gives one tensor as both gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Parameter(torch.randn(16, 5) * 0.3), nn.Parameter(torch.randn(16, 5) * 0.3)
+
+    def forward(self, x):
+        return x.mean(dim=1) @ (self.a + self.b)
+
+
+@pytest.mark.parametrize("make", [_Summed, lambda: nn.LSTM(16, 5, batch_first=True)], ids=["sum", "lstm"])
+def test_parameters_given_one_gradient_tensor_get_gradients_of_their_own(make, fast_recording,
+                                                                          replayed_eagerly) -> None:
+    """A backward formula that gives one tensor as the gradient of two parameters (`a + b`, an LSTM's two
+    biases): each parameter's `.grad` is a tensor of its own, as eager's, so an in-place write into one
+    (scaling gradients by hand, SGD's Nesterov step) leaves the other alone. The planned step once gave
+    both the same tensor, and the write reached both."""
+    def forward(m, x, y):
+        out = m(x)
+        out = out[0].mean(dim=1) if isinstance(out, tuple) else out
+        loss = F.cross_entropy(out, y)
+        loss.backward()
+        for p in m.parameters():
+            p.grad.mul_(0.5)
+        return loss
+
+    losses, lazy_losses, ref, model = _train(make, forward, steps=4)
+    _assert_same(ref, model, losses, lazy_losses)
+    assert pydisc.metrics()["fast_segments"] == 4
+    for a, b in zip(ref.parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad.cpu(), a.grad, rtol=1e-5, atol=1e-6)
