@@ -314,8 +314,8 @@ def _writes_grads(optimizer, group: dict) -> bool:
     """Whether the group's foreach step writes its parameters' `.grad` in place where eager's per-parameter
     loop on the CPU does not: SGD with Nesterov momentum adds the momentum into the gradients themselves
     (unless `maximize` or a weight decay made them a copy first), so `.grad` read after `step()` would
-    differ from eager's. (On CUDA eager takes the foreach path and writes them too; the flip is CPU-only
-    anyway: a lazy CUDA group with `foreach` None takes torch's default, foreach.)"""
+    differ from eager's. (On CUDA eager takes the foreach path and writes them too, and so does a lazy CUDA
+    group left unflipped: torch's default there is foreach.)"""
     return isinstance(optimizer, torch.optim.SGD) and bool(group.get("nesterov")) and \
         group.get("momentum", 0) != 0 and not group.get("maximize") and group.get("weight_decay", 0) == 0
 
