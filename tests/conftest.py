@@ -54,6 +54,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
 
 
 @pytest.fixture(autouse=True)
+def _no_dynamic_dims_of_another_test():
+    """Each test starts with no dims flagged dynamic, none pinned, no templates: those are keyed by a step
+    input's ordinal, so another test's (input #0 dim 0 pinned by a size compared with a number) would
+    change how this test's steps are recorded, depending on which tests ran before in the process."""
+    from pydisc.driver import dynamic
+
+    dynamic.clear()
+    yield
+
+
+@pytest.fixture(autouse=True)
 def _no_step_outlives_its_test():
     """A step a test left running on the worker thread (PYDISC_ASYNC) finishes within that test."""
     yield

@@ -3,7 +3,8 @@
 
 The run tells the outputs' layouts and which arguments they are or view, the arguments written in
 place, the argument slots autograd's graph of the results reaches (a gradient flows only there), and
-whether the call draws random numbers (an ATen op tagged `nondeterministic_seeded`, or by name).
+whether the call draws random numbers (an ATen op tagged `nondeterministic_seeded`, or by name). Where
+the run accepted mixed dtypes that eager's kernel refuses, eager's exception is raised at the call.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils import _pytree as pytree
 
+from .dtype_checks import EAGER_DTYPE_CHECKS, eager_dtype_error
 from .fused import FV, XV, Demote, NoMeta
 
 __all__ = ["RECIPES", "Recipe", "call_recipe", "on_device"]
@@ -34,16 +36,22 @@ def _random(func) -> bool:
     return any(w in name for w in _RANDOM_WORDS)
 
 
-class _SeededOps(TorchDispatchMode):
-    """Notes whether a call's meta run dispatches an op that draws random numbers."""
+class _Watch(TorchDispatchMode):
+    """Notes, of the ops a call's meta run dispatches, whether one draws random numbers (`seen`), and the
+    exception eager raises for one whose meta function accepts the mixed dtypes eager's kernel refuses
+    (`refused`: a float64 batch into a float32 Linear; frontend/dtype_checks.py)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
         super().__init__()
         self.seen = False
+        self.refused = None
+        self.device = device
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if _SEEDED in func.tags and _dropout_p(func, args, kwargs) != 0.0:
             self.seen = True
+        if self.refused is None and func._opname in EAGER_DTYPE_CHECKS:
+            self.refused = eager_dtype_error(func, args, kwargs or {}, self.device)
         return func(*args, **(kwargs or {}))
 
 
@@ -104,12 +112,14 @@ def call_recipe(func, enc_args, enc_kwargs, slots: list, metas: dict, fake, devi
     before = [(m._version, m.shape, m.stride(), m.storage_offset()) for _, m in distinct]
     grad = _grad_enabled()
     nodes = {key: _grad_node(m) for key, m in distinct if grad and m.requires_grad}
-    seeded = _SeededOps()
+    watch = _Watch(device)
     try:
-        with torch.set_grad_enabled(grad), fake or contextlib.nullcontext(), seeded:
+        with torch.set_grad_enabled(grad), fake or contextlib.nullcontext(), watch:
             out = func(*margs, **mkwargs)
     except Exception as exc:
         raise NoMeta("no meta kernel: %s" % _name(func)) from exc
+    if watch.refused is not None:
+        raise watch.refused.with_traceback(None)    # eager's exception, at the call
     written = set()
     for (key, m), (version, shape, stride, offset) in zip(distinct, before):
         if m.shape != shape or m.stride() != stride or m.storage_offset() != offset:
@@ -156,7 +166,7 @@ def call_recipe(func, enc_args, enc_kwargs, slots: list, metas: dict, fake, devi
         elif spec is None or all(not isinstance(x, _Tensor) for x in leaves):
             raise Demote("a call returning no tensor")
     return Recipe(spec, kept, tuple(outputs), mutated, mutated_rg, connected,
-                  seeded.seen or _random(func))
+                  watch.seen or _random(func))
 
 
 def _to_meta(a, metas: dict, fake):

@@ -21,10 +21,10 @@ import math
 import torch
 from torch.utils._mode_utils import no_dispatch
 
+from .dtype_checks import EAGER_DTYPE_CHECKS, eager_dtype_error
 from .foreach import optimizers_take_their_foreach_path, record_foreach
 from .lazy_tensor import RECORDER, LazyTensor, LiftedScalar, liftable
 from .op_facts import REWRITES, opinfo
-from .symbolic import hint
 
 __all__ = ["install_rewrites"]
 
@@ -198,60 +198,15 @@ def _same_arguments(op, packet):
     return None
 
 
-# Ops whose meta functions accept tensors of mixed dtypes that eager's kernels refuse (a float64 batch
-# into a float32 Linear, float64 values put into a float32 tensor, norms with float64 weights, an
-# integer result into a bool tensor in place). Where an op of these gets mixed dtypes, it is run once
-# in torch on uninitialised tensors of the same layouts: eager's own exception and message, at the
-# op's line. The verdict is kept per (op, dtypes, device type).
-_EAGER_DTYPE_CHECKS = (
-    "mm", "addmm", "bmm", "baddbmm", "mv", "addmv", "dot", "vdot", "linear", "matmul", "convolution",
-    "_convolution", "addbmm", "index_put", "index_put_", "_index_put_impl_", "index_add", "index_add_",
-    "native_layer_norm", "native_group_norm", "native_batch_norm", "_native_batch_norm_legit",
-    "_native_batch_norm_legit_no_training", "mul_", "div_", "sub_", "add_",
-)
-
-
 def _dtype_checked(then=None):
-    verdicts: dict[tuple, BaseException | None] = {}
-
+    """Eager's exception where an op whose meta function accepts mixed dtypes gets tensors eager's kernel
+    refuses (`dtype_checks`), at the op's line; else the op's other rewrite, if any."""
     def rewrite(func, args, kwargs):
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]    # (not index_put's list of indices)
-        tensors += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
-        if tensors and any(t.dtype != tensors[0].dtype for t in tensors):
-            key = (func, tuple(t.dtype for t in tensors), tensors[0].device.type)
-            if key not in verdicts:
-                verdicts[key] = _eager_verdict(func, args, kwargs)
-            if verdicts[key] is not None:     # (each raise with a traceback of its own)
-                raise verdicts[key].with_traceback(None)
+        error = eager_dtype_error(func, args, kwargs)
+        if error is not None:     # (each raise with a traceback of its own)
+            raise error.with_traceback(None)
         return then(func, args, kwargs) if then is not None else NotImplemented
     return rewrite
-
-
-def _eager_verdict(func, args, kwargs) -> BaseException | None:
-    """The exception eager's kernel raises for these arguments' dtypes and layouts, or None. Integer
-    tensors (indices) hold zeros; an IndexError is about those values, not the dtypes: None."""
-    def empty(x):
-        if isinstance(x, torch.Tensor):     # (sizes of a symbolic step: this step's, no guard added)
-            shape, stride = [hint(d) for d in x.shape], [hint(d) for d in x.stride()]
-            if x.dtype.is_floating_point or x.dtype.is_complex:
-                return torch.empty_strided(shape, stride, dtype=x.dtype, device=x.device)
-            return torch.zeros(shape, dtype=x.dtype, device=x.device)
-        if isinstance(x, (list, tuple)):
-            return type(x)(empty(v) for v in x)
-        return hint(x)
-
-    with torch._C._DisableTorchDispatch(), torch.no_grad():
-        try:
-            real_args, real_kwargs = [empty(a) for a in args], {k: empty(v) for k, v in kwargs.items()}
-        except Exception:  # noqa: BLE001 - no tensors to ask eager with: the meta function's verdict stands
-            return None
-        try:
-            func(*real_args, **real_kwargs)
-        except IndexError:
-            return None
-        except (RuntimeError, TypeError, ValueError) as exc:
-            return exc
-    return None
 
 
 def install_rewrites() -> None:
@@ -291,7 +246,7 @@ def install_rewrites() -> None:
     r[aten.resize_.default] = _resize
     r[aten.cudnn_batch_norm.default] = _cudnn_batch_norm
     r[aten.cudnn_batch_norm_backward.default] = _cudnn_batch_norm_backward
-    for name in _EAGER_DTYPE_CHECKS:    # (last: around the rewrites above)
+    for name in EAGER_DTYPE_CHECKS:    # (last: around the rewrites above)
         packet = getattr(aten, name, None)
         for overload in (packet.overloads() if packet is not None else ()):
             if "out" not in overload:

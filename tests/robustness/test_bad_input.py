@@ -713,7 +713,7 @@ def test_eager_dtype_verdict_with_symbolic_sizes():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-    from pydisc.frontend.rewrites import _eager_verdict
+    from pydisc.frontend.dtype_checks import _eager_verdict
 
     mode = FakeTensorMode(shape_env=ShapeEnv())
     context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC, DimDynamic.STATIC])
@@ -723,5 +723,5 @@ def test_eager_dtype_verdict_with_symbolic_sizes():
     assert isinstance(a.shape[0], torch.SymInt)
     with pytest.raises(RuntimeError) as eager:
         torch.bmm(torch.ones(5, 3, 4, dtype=torch.float64), torch.ones(5, 4, 3))
-    verdict = _eager_verdict(torch.ops.aten.bmm.default, (a, b), {})
+    verdict = _eager_verdict(torch.ops.aten.bmm.default, (a, b), {}, None)
     assert isinstance(verdict, RuntimeError) and str(verdict) == str(eager.value)
