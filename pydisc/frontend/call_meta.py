@@ -50,7 +50,7 @@ class _Watch(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if _SEEDED in func.tags and _dropout_p(func, args, kwargs) != 0.0:
             self.seen = True
-        if self.refused is None and func._opname in EAGER_DTYPE_CHECKS:
+        if self.refused is None and getattr(func, "_opname", None) in EAGER_DTYPE_CHECKS:
             self.refused = eager_dtype_error(func, args, kwargs or {}, self.device)
         return func(*args, **(kwargs or {}))
 
