@@ -11,7 +11,7 @@ import warnings
 
 from .config import CONFIG
 
-__all__ = ["PydiscWarning", "warn_once", "log", "explain_recompile", "LOGGER"]
+__all__ = ["PydiscWarning", "warn_once", "log", "explain_recompile", "call_name", "LOGGER"]
 
 LOGGER = logging.getLogger("pydisc")
 if CONFIG.log and not LOGGER.handlers:
@@ -76,7 +76,8 @@ def explain_recompile(old: tuple, new: tuple, sources: list[str | None]) -> str:
     return "a different set of live tensors is needed after the step (outputs %d -> %d)" % (len(old[5]), len(new[5]))
 
 
-def _call_name(func) -> str:
+def call_name(func) -> str:
+    """A function's name as user code calls it (`Tensor.view`, `torch.addmm`, `linear`)."""
     name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or str(func)
     return name.replace("_TensorBase.", "Tensor.").replace("TensorBase.", "Tensor.").replace(
         "_VariableFunctionsClass.", "torch.")
@@ -87,16 +88,16 @@ def _call_changed(old: tuple, new: tuple) -> str:
     dtype, then its arguments' encoding and layouts)."""
     for k, (x, y) in enumerate(zip(old, new)):
         if x[0] != y[0]:
-            return "call #%d changed: %s -> %s" % (k, _call_name(x[0]), _call_name(y[0]))
+            return "call #%d changed: %s -> %s" % (k, call_name(x[0]), call_name(y[0]))
         if x != y:
             for a, b in zip(x[1:], y[1:]):
                 if a != b:
-                    return "call #%d (%s) argument changed: %s -> %s" % (k, _call_name(y[0]), _short(a), _short(b))
-            return "call #%d (%s) arguments changed" % (k, _call_name(y[0]))
+                    return "call #%d (%s) argument changed: %s -> %s" % (k, call_name(y[0]), _short(a), _short(b))
+            return "call #%d (%s) arguments changed" % (k, call_name(y[0]))
     k = min(len(old), len(new))
     extra = new[k] if len(new) > k else old[k]
     return "it made %d calls instead of %d (first extra or missing call #%d: %s)" % (
-        len(new), len(old), k, _call_name(extra[0]))
+        len(new), len(old), k, call_name(extra[0]))
 
 
 def _short(x) -> str:

@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils import _pytree as pytree
 
+from ..diagnostics import call_name
 from .dtype_checks import EAGER_DTYPE_CHECKS, eager_dtype_error
 from .fused import FV, XV, Demote, NoMeta
 
@@ -32,7 +33,7 @@ _META_DEVICE = torch.device("meta")    # the segment's device, in a call's argum
 
 def _random(func) -> bool:
     """Does the call draw random numbers (by its name: over-inclusive is safe)?"""
-    name = _name(func).lower()
+    name = call_name(func).lower()
     return any(w in name for w in _RANDOM_WORDS)
 
 
@@ -117,7 +118,7 @@ def call_recipe(func, enc_args, enc_kwargs, slots: list, metas: dict, fake, devi
         with torch.set_grad_enabled(grad), fake or contextlib.nullcontext(), watch:
             out = func(*margs, **mkwargs)
     except Exception as exc:
-        raise NoMeta("no meta kernel: %s" % _name(func)) from exc
+        raise NoMeta("no meta kernel: %s" % call_name(func)) from exc
     if watch.refused is not None:
         raise watch.refused.with_traceback(None)    # eager's exception, at the call
     written = set()
@@ -179,11 +180,6 @@ def _to_meta(a, metas: dict, fake):
     if t is torch.device or t is str and a[:4] in ("cpu", "cuda", "cuda:"):
         return _META_DEVICE if fake is None else a
     return a
-
-
-def _name(func) -> str:
-    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or str(func)
-    return name.replace("TensorBase.", "Tensor.").replace("_TensorBase.", "Tensor.")
 
 
 def on_device(mode: FakeTensorMode, m: torch.Tensor, device: torch.device) -> torch.Tensor:
