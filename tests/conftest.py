@@ -65,6 +65,16 @@ def _no_dynamic_dims_of_another_test():
 
 
 @pytest.fixture(autouse=True)
+def _warnings_not_yet_given(monkeypatch):
+    """pydisc warns once per process about each thing (`diagnostics.warn_once`): each test starts as if
+    none had been given, so a test that expects a warning does not depend on whether a test before it in
+    the same process met the same thing (an LSTM made lazy warns about its parameters)."""
+    from pydisc import diagnostics
+
+    monkeypatch.setattr(diagnostics, "_WARNED", set())
+
+
+@pytest.fixture(autouse=True)
 def _no_step_outlives_its_test():
     """A step a test left running on the worker thread (PYDISC_ASYNC) finishes within that test."""
     yield
