@@ -35,18 +35,26 @@ def bind(trace: Trace, outputs: tuple, results: list[torch.Tensor], executed: li
     """`fresh_trace`: the recorder starts a new trace after a whole step is bound; False where it started
     one already, the step having run on the worker while the next recorded (inflight.py)."""
     touched: list[LazyStorage] = []
+    written: list[int] = []             # input storages the step wrote: copied into, all at once
+    # storage -> the result that is all of its data in the recorded layout: a tensor of that layout
+    # binds to it as is, rather than to a new view
+    whole: dict[int, torch.Tensor] = {}
     for (kind, index), val in zip(outputs, results):
         if kind == "base":
+            written.append(index)
             storage = trace.input_storages[index]
-            real = storage.real
-            if val.data_ptr() != real.data_ptr():
-                real.copy_(val if val.shape == real.shape else val.reshape(real.shape))
-            trace.storage_versions[index] = real._version   # our own write, not the user's
         else:
             storage = trace.storages[index]
             size, stride, offset, dtype = trace.metas[index]
-            storage.real = flat_base(_as_layout(val, size, stride))
+            laid = _as_layout(val, size, stride)
+            if laid is val and _is_whole(val):
+                whole[id(storage)] = val
+                storage.real = val.view(-1) if not val.requires_grad else val.detach().view(-1)
+            else:
+                storage.real = flat_base(laid)
         touched.append(storage)
+    if written:
+        _write_inputs(trace, written, [val for (kind, _), val in zip(outputs, results) if kind == "base"])
     if not remaining:
         # everything ran: every tensor made in this trace views its storage's new data (the storages
         # of the step's inputs were written in place, so their tensors' views stay valid)
@@ -57,7 +65,7 @@ def bind(trace: Trace, outputs: tuple, results: list[torch.Tensor], executed: li
             if t is None:
                 continue
             if (values[vid][0] == "out" or t._real is None) and t._storage.real is not None:
-                t._real = view_of_base(t._storage.real, *concrete_layout(t))
+                t._real = _bound(t, whole)
             if t._concrete is not None and trace.symbolic is not None and t._real is not None:
                 symbolic.append(t)
         trace.release()
@@ -76,7 +84,7 @@ def bind(trace: Trace, outputs: tuple, results: list[torch.Tensor], executed: li
             continue
         if vid in executed_vids or t._real is None:
             if t._storage.real is not None:
-                t._real = view_of_base(t._storage.real, *concrete_layout(t))
+                t._real = _bound(t, whole)
     # Keep the rest pending: values made by the executed entries become inputs of what remains.
     size_only = size_only_storages(trace, executed) if trace.symbolic is not None else set()
     for vid in executed_vids:
@@ -99,6 +107,41 @@ def bind(trace: Trace, outputs: tuple, results: list[torch.Tensor], executed: li
     for e in trace.entries:
         for s in e.writes:
             s.written = True
+
+
+def _is_whole(val: torch.Tensor) -> bool:
+    """Is `val` contiguous over all of its storage (`flat_base` of it is a plain view)?"""
+    return val.is_contiguous() and val.storage_offset() == 0 and \
+        val.untyped_storage().nbytes() == val.numel() * val.element_size()
+
+
+def _bound(t: LazyTensor, whole: dict) -> torch.Tensor:
+    """The device data of lazy tensor `t`: a view of its storage's new data in `t`'s layout."""
+    size, stride, offset = concrete_layout(t)
+    val = whole.get(id(t._storage))
+    if val is not None and offset == 0 and val.shape == size and val.stride() == tuple(stride):
+        return val
+    return view_of_base(t._storage.real, size, stride, offset)
+
+
+def _write_inputs(trace: Trace, indices: list[int], vals: list[torch.Tensor]) -> None:
+    """Copy the step's new values of the input storages `indices` into their device data (one foreach
+    copy), and note their versions as the step's own writes, not the user's. A value that is another
+    written input's data (a step that swaps two buffers, run by torch) is read before any is written."""
+    reals = [trace.input_storages[i].real for i in indices]
+    written = {r.untyped_storage().data_ptr() for r in reals}
+    dsts, srcs = [], []
+    for real, val in zip(reals, vals):
+        if val.data_ptr() == real.data_ptr():
+            continue                    # written in place already
+        if val.untyped_storage().data_ptr() in written:
+            val = val.clone()
+        dsts.append(real)
+        srcs.append(val if val.shape == real.shape else val.reshape(real.shape))
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)
+    for i, real in zip(indices, reals):
+        trace.storage_versions[i] = real._version
 
 
 def input_versions(trace: Trace) -> tuple[list[int], list[int]]:
