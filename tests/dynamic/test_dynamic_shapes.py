@@ -124,6 +124,30 @@ def test_compiles_do_not_grow_with_new_sizes():
     assert per_step[first_match:] == [per_step[first_match]] * (len(sizes) - first_match), per_step
 
 
+def test_a_regression_head_trained_on_batches_of_any_size_compiles():
+    """One output per example (a regression or a binary classifier): the head's products with the
+    batch are vector products, which IREE compiles with dynamic sizes only as a multiply and a sum."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    ref = copy.deepcopy(model)
+    pydisc.lazy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+    g = torch.Generator().manual_seed(1)
+    for n in (4, 6, 8, 5, 7, 9, 3, 12):
+        x, y = torch.randn(n, 8, generator=g), torch.randn(n, 1, generator=g)
+        for m, o, target in ((model, opt, pydisc.to_lazy(y)), (ref, ref_opt, y)):
+            loss = torch.nn.functional.mse_loss(m(x), target)   # (an eager target would pin the batch)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+        pydisc.mark_step()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-5, msg=name)
+    m = pydisc.metrics()
+    assert not m["compile_failures"], m["compile_failures"]
+    assert m["dynamic_templates"] == 1 and m["dynamic_matches"] >= 3 and _built() == 1, m["recompiles"]
+
+
 def test_size_one_gets_its_own_template():
     sizes = [(2, 8), (3, 8), (2, 9), (1, 8), (4, 8), (1, 5), (1, 12), (3, 3)]
     m = _train(sizes, mark=True)

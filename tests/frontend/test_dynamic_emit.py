@@ -145,6 +145,27 @@ def test_dynamic_emission_reads_sizes_from_arguments() -> None:
     assert cluster.dynamic
 
 
+# IREE 3.13 cannot compile a dot_general with dynamic sizes whose free dims on one side, or whose
+# contracting dims, are none or all 1 (pydisc emits those as a broadcast multiply and a sum)
+VECTOR_PRODUCTS = {
+    "linear_one_output": (lambda x, w: x @ w.t(), [torch.randn(5, 3), torch.randn(1, 3)], (5, 2, 9)),
+    "row_times_matrix": (lambda x, w: x.sum(1, keepdim=True).t() @ x * w, [torch.randn(5, 3), torch.randn(1, 3)],
+                         (5, 2, 9)),
+    "outer_product": (lambda x, w: x[:, :1] @ w[:1], [torch.randn(5, 3), torch.randn(1, 4)], (5, 2, 9)),
+    "matrix_vector": (lambda x, w: torch.mv(x, w[0]), [torch.randn(5, 3), torch.randn(1, 3)], (5, 2, 9)),
+    "vector_dot": (lambda x, w: torch.dot(x[:, 0], x[:, 1]) * w, [torch.randn(5, 3), torch.randn(1, 3)], (5, 2, 9)),
+    "one_output_grad": (lambda x, w: x.t() @ (x @ w.t()), [torch.randn(5, 3), torch.randn(1, 3)], (5, 2, 9)),
+    "decode_attention": (lambda x, w: torch.bmm(w.expand(2, 1, 3), x.t().expand(2, 3, -1)),
+                         [torch.randn(5, 3), torch.randn(1, 3)], (5, 2, 9)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VECTOR_PRODUCTS))
+def test_products_of_vectors_with_dynamic_sizes_compile(name: str, compiles: list[str]) -> None:
+    fn, (x, w), sizes = VECTOR_PRODUCTS[name]
+    check_sizes(fn, [x, w], {0: (0,)}, [[torch.randn(n, x.shape[1]), w] for n in sizes], compiles)
+
+
 # ---- whole training steps -------------------------------------------------------------------------
 def _mlp_step(x: torch.Tensor, y: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
               b2: torch.Tensor) -> list[torch.Tensor]:

@@ -515,6 +515,14 @@ class FunctionBuilder(RuntimeSizes):
         )
         if any(lhs.shape[d] == 0 for d in contract[0]):  # an empty sum; IREE 3.13 crashes compiling it
             return self.full(shape, 0, out_dtype)
+        if not (lhs.type.is_static and rhs.type.is_static) and any(
+                all(side[d] == 1 for d in dims) for side, dims in
+                ((lhs.shape, lhs_free), (rhs.shape, rhs_free), (lhs.shape, contract[0]))):
+            # IREE 3.13 rewrites a product with dynamic sizes whose free dims on one side, or whose
+            # contracting dims, are none or all 1 (a Linear with one output on a batch of any size, a
+            # vector product, a decode step's query of one token) into a static-only reshape it cannot
+            # compile: such a product is a broadcast multiply and a sum instead
+            return self._dot_as_sum(lhs, rhs, batch, contract, lhs_free, rhs_free, out_dtype)
         dims = (
             "#stablehlo.dot<"
             f"lhs_batching_dimensions = [{', '.join(map(str, batch[0]))}], "
@@ -525,6 +533,24 @@ class FunctionBuilder(RuntimeSizes):
         return self.op(
             "stablehlo.dot_general", [lhs, rhs], TensorSpec(tuple(shape), out_dtype), {"dot_dimension_numbers": dims}
         )
+
+    def _dot_as_sum(self, lhs: Value, rhs: Value, batch, contract, lhs_free: list[int], rhs_free: list[int],
+                    out_dtype: torch.dtype) -> Value:
+        """`dot_general` as both operands broadcast to (batch, lhs free, rhs free, contracting) dims,
+        multiplied in `out_dtype` and summed over the contracting dims."""
+        nb, nl, nr = len(batch[0]), len(lhs_free), len(rhs_free)
+        full = [lhs.shape[d] for d in batch[0]] + [lhs.shape[d] for d in lhs_free] + \
+            [rhs.shape[d] for d in rhs_free] + [lhs.shape[d] for d in contract[0]]
+        contracting = list(range(nb + nl + nr, len(full)))
+        left = self.transpose(self.convert(lhs, out_dtype), [*batch[0], *lhs_free, *contract[0]])
+        right = self.transpose(self.convert(rhs, out_dtype), [*batch[1], *rhs_free, *contract[1]])
+        left = self.broadcast_in_dim(left, full, [*range(nb + nl), *contracting])
+        right = self.broadcast_in_dim(right, full, [*range(nb), *range(nb + nl, nb + nl + nr), *contracting])
+        product = self.binary("multiply", left, right)
+        if not contracting:
+            return product
+        zero = self.constant(0, out_dtype)
+        return self.reduce([product], [zero], contracting, lambda acc, v: [self.binary("add", acc, v)])[0]
 
     def reduce(
         self,
