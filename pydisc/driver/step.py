@@ -389,6 +389,15 @@ def _scalars(values: list, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def _model_of(trace: Trace) -> tuple:
+    """Which model a step trains, for telling its graph from another's (`ENGINE.seen_ops`): the
+    storages it reads that no step made and that are not step inputs (parameters and buffers). Two
+    models of one architecture and other widths (a sweep over hyperparameters in one process) have the
+    same ops: without this the second one's first steps looked like the first one's with changed sizes,
+    made those dims dynamic and pinned them to its weights' sizes."""
+    return tuple(id(s) for s in trace.input_storages if s.produced is None and s.ordinal < 0)
+
+
 def _ops_of(sig: tuple):
     """What an entry runs, for telling a step's graph from another's (`ENGINE.seen_ops`): its op, and for a
     forward recorded at `__torch_function__` the calls it made (every such step's op is "fused": two models
@@ -404,7 +413,7 @@ def _plan_concrete(trace: Trace, key: tuple, executed: list[int], outputs: tuple
     plan. None when the step ran eagerly: a dim of an input changed size (the next step records a
     dynamic-shape template instead of compiling for this one shape), or the structure is new
     (`PYDISC_COMPILE_AFTER`)."""
-    ops = tuple(_ops_of(sig) for sig in key[3])
+    ops = (tuple(_ops_of(sig) for sig in key[3]), _model_of(trace))
     if CONFIG.dynamic and ENGINE.dynamic.templates:
         for template in ENGINE.dynamic.templates:
             binding = template_match.match_template(template, trace, executed, outputs)

@@ -148,6 +148,35 @@ def test_a_regression_head_trained_on_batches_of_any_size_compiles():
     assert m["dynamic_templates"] == 1 and m["dynamic_matches"] >= 3 and _built() == 1, m["recompiles"]
 
 
+def test_a_second_model_of_the_same_architecture_is_not_the_first_with_changed_sizes():
+    """A sweep over widths in one process: the second model has the first one's ops with other sizes,
+    which is not a dim that varies (it made the width dynamic, pinned it to the weights' size with a
+    warning, and took the fast recorder away for the rest of the process)."""
+    def train(width: int) -> dict:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(width, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+        ref = copy.deepcopy(model)
+        pydisc.lazy(model)
+        opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+        pydisc.reset_metrics()
+        for _ in range(4):
+            x, y = torch.randn(8, width), torch.randint(0, 3, (8,))
+            for m, o in ((model, opt), (ref, ref_opt)):
+                torch.nn.functional.cross_entropy(m(x), y).backward()
+                o.step()
+                o.zero_grad()
+            pydisc.mark_step()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-5, msg=name)
+        return pydisc.metrics()
+
+    train(8)
+    m = train(4)
+    # (its first step is recorded op by op: its input has other sizes than the step before's)
+    assert not m["recompiles"] and m["dynamic_templates"] == 0 and m["fast_segments"] >= 3, m["recompiles"]
+    assert not ENGINE.dynamic.flagged
+
+
 def test_size_one_gets_its_own_template():
     sizes = [(2, 8), (3, 8), (2, 9), (1, 8), (4, 8), (1, 5), (1, 12), (3, 3)]
     m = _train(sizes, mark=True)
