@@ -7,7 +7,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .diagnostics import warn_once
-from .driver import step_choice
+from .driver import dynamic, step_choice
 from .frontend import fast, inference
 from .frontend.lazy_tensor import RECORDER, LazyTensor, to_lazy
 from .frontend.symbolic import release_factory_mode
@@ -50,6 +50,7 @@ def _pre_hook(device: torch.device):
                     return None     # (the common case, at the cost of an empty hook: a few µs a step)
             moved = _moved(args, device), _moved(kwargs, device)
             return None if moved[0] is args and moved[1] is kwargs else moved
+        dynamic.enter_scope(module)     # the step is this model's, unless another's forward began it
         inference.use_for_forward()     # F.linear and matmul recorded whole where no grad is recorded
         fast.arm(module._pydisc_fast_record, device, module)  # a forward with grad recorded at __torch_function__
         release_factory_mode()          # (no dispatch is under way here)
@@ -59,15 +60,15 @@ def _pre_hook(device: torch.device):
 
 def _lazy_input(x, device: torch.device):
     if isinstance(x, torch.Tensor) and not isinstance(x, LazyTensor):
-        dynamic = getattr(x, "_pydisc_dynamic", None)    # pydisc.mark_dynamic
+        marked = getattr(x, "_pydisc_dynamic", None)    # pydisc.mark_dynamic
         x = x.to(device)
         if x.storage_offset() != 0 or not x.is_contiguous() or \
                 x.untyped_storage().nbytes() != x.numel() * x.element_size():
             # a slice of a larger tensor (a batch of a dataset): copy it, so the step's input is the
             # batch alone and its plan does not depend on where in the dataset the batch sits
             x = x.clone(memory_format=torch.contiguous_format)
-        if dynamic is not None:
-            x._pydisc_dynamic = dynamic
+        if marked is not None:
+            x._pydisc_dynamic = marked
         return to_lazy(x, step_input=True)
     if isinstance(x, (list, tuple)):
         return type(x)(_lazy_input(v, device) for v in x)

@@ -31,7 +31,7 @@ from ..frontend.symbolic import SymExpr
 from ..frontend.trace import RealRef, ScalarRef, Trace, ValueRef
 from .engine import ENGINE
 
-__all__ = ["mark_dynamic", "Template", "Binding", "clear"]
+__all__ = ["mark_dynamic", "Template", "Binding", "clear", "enter_scope"]
 
 
 def mark_dynamic(t: torch.Tensor, dim: int | list[int] | tuple[int, ...]) -> torch.Tensor:
@@ -58,6 +58,14 @@ def clear() -> None:
 
 def _pattern(key, real: torch.Tensor, dims) -> tuple:
     return (key, real.dim(), tuple(sorted(d for d in dims if d < real.dim() and real.shape[d] >= 2)))
+
+
+def enter_scope(module: torch.nn.Module) -> None:
+    """A lazy module's forward begins: unless the step has its model already, it is `module`'s, and so
+    are the dims flagged dynamic, the pins and templates its steps use (`Engine.dynamic`). A step that
+    no lazy module's forward begins (`pydisc.to_lazy` alone, HF generate()'s code between two calls of
+    the model) is the model's of the step before."""
+    ENGINE.enter_scope(module)
 
 
 def dims_of(ordinal: int, real: torch.Tensor) -> tuple:
@@ -94,7 +102,7 @@ def _dynamic_dims(key, real: torch.Tensor) -> tuple:
 
 def _fast_gate() -> bool:
     """Whether the fast recorder may record this step: a step recorded at __torch_function__ cannot be
-    matched to a template, so none while dims are dynamic; nor a step whose inputs so far have other
+    matched to a template, so none while the model's dims are dynamic; nor a step whose inputs so far have other
     sizes than the step before's: the dispatcher records it and its changed dims are found (and the
     step choice's probe times the recording that the steps to come will have)."""
     if ENGINE.dynamic.flagged:

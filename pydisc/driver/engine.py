@@ -4,7 +4,7 @@ Everything the driver remembers between two `mark_step()`s lives here, so that o
 all of it (tests, `clear_plans`, the exit handler) and a reader finds it in one place:
 
 - `plans`, `seen_ops`, `sightings`: the plan cache by a step's structural key (step.py);
-- `dynamic`: the dynamic-shape templates and flagged dims (dynamic.py);
+- `dynamic`: the dynamic-shape templates and flagged dims of the current step's model (dynamic.py);
 - `choice`: the whole-step choice's measurement (step_choice.py);
 - `jobs`: the plans being built in the background (background.py);
 - `in_flight`, `worker`: a compiled CPU step running on a worker thread (inflight.py);
@@ -17,6 +17,7 @@ The modules keep their logic; their state is `ENGINE`'s attributes.
 from __future__ import annotations
 
 import sys
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -89,7 +90,12 @@ class Engine:
         self.plans: dict[tuple, object] = {}     # structural key -> StepPlan, or a template's Binding
         self.seen_ops: dict[tuple, tuple] = {}   # op sequence -> last key planned for it (recompile explainer)
         self.sightings: Counter = Counter()      # structural key -> steps run eagerly before it is compiled
-        self.dynamic = DynamicState()
+        # dynamic-shape state per model: the module whose forward began the step (`enter_scope`), None
+        # until a lazy module's forward began one
+        self._dynamic_states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._dynamic_default = DynamicState()
+        self._scope: weakref.ref | None = None
+        self._scope_step = -1
         self.choice = ChoiceState()
         self.jobs: list = []                     # background.py's jobs, oldest first
         self.in_flight = None                    # inflight.InFlight: the run on the worker, not yet bound
@@ -154,9 +160,30 @@ class Engine:
         self.reset_choice()
         RECORDER.capture_sources = True     # the next step plans: its ops' source lines are wanted
 
+    @property
+    def dynamic(self) -> DynamicState:
+        """The dynamic-shape state of the current step's model (the last one's, between steps). Dims
+        are flagged, pinned and covered by a step input's ordinal: kept per model, one model's varying
+        batch neither makes another's dynamic nor keeps the fast recorder from it."""
+        scope = self._scope() if self._scope is not None else None
+        if scope is None:
+            return self._dynamic_default
+        state = self._dynamic_states.get(scope)
+        if state is None:
+            state = self._dynamic_states[scope] = DynamicState()
+        return state
+
+    def enter_scope(self, module) -> None:
+        """The step under way is `module`'s (a lazy module's forward begins), unless a module entered
+        before in this step made it that module's. Steps that enter none keep the last step's model."""
+        if self._scope_step != RECORDER.step_id:
+            self._scope_step = RECORDER.step_id
+            self._scope = weakref.ref(module)     # (not kept alive by it)
+
     def reset_dynamic(self) -> None:
         """Forget the templates and the dims flagged dynamic: the next steps are static until sizes vary."""
-        self.dynamic = DynamicState()
+        self._dynamic_states = weakref.WeakKeyDictionary()
+        self._dynamic_default = DynamicState()
         RECORDER.carried_dims = None
         RECORDER.last_input_shapes = []
 

@@ -105,7 +105,7 @@ def refuse(reason: str) -> None:
 
 def _can_start() -> bool:
     if FAST.refused is not None or FAST.demoted or RECORDER.passthrough or RECORDER.symbolic is not None or \
-            RECORDER.carried_dims is not None or _functorch() or _modes() != own_modes():
+            _functorch() or _modes() != own_modes():
         return False
     if FAST.gate is not None and not FAST.gate():
         return False

@@ -177,6 +177,44 @@ def test_a_second_model_of_the_same_architecture_is_not_the_first_with_changed_s
     assert not ENGINE.dynamic.flagged
 
 
+def test_dims_one_model_made_dynamic_are_not_another_models():
+    """Dims flagged dynamic, pins and templates are a model's: a model trained on batches of any size
+    does not make another model's input #0 dynamic (it recorded that one's steps op by op, as a template
+    no size needed), and it keeps its own template when it trains again."""
+    def model_and_step(width: int):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(width, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+        ref = copy.deepcopy(model)
+        pydisc.lazy(model)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref)]
+
+        def step(n: int) -> None:
+            x, y = torch.randn(n, width), torch.randint(0, 3, (n,))
+            for m, o in zip((model, ref), opts):
+                torch.nn.functional.cross_entropy(m(x), pydisc.to_lazy(y) if m is model else y).backward()
+                o.step()
+                o.zero_grad()
+            pydisc.mark_step()
+            for p, q in zip(model.parameters(), ref.parameters()):
+                torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-5)
+        return step
+
+    varying, fixed = model_and_step(8), model_and_step(4)
+    for n in (4, 6, 8, 5, 7):
+        varying(n)
+    assert _built() == 1
+    pydisc.reset_metrics()
+    for _ in range(4):
+        fixed(8)
+    m = pydisc.metrics()
+    assert m["dynamic_templates"] == 0 and not m["recompiles"] and m["fast_segments"] >= 3, m["recompiles"]
+    pydisc.reset_metrics()
+    for n in (9, 3, 11):
+        varying(n)
+    m = pydisc.metrics()
+    assert m["dynamic_templates"] == 0 and m["dynamic_matches"] == 3 and m["compiles"] == 0, m["recompiles"]
+
+
 def test_size_one_gets_its_own_template():
     sizes = [(2, 8), (3, 8), (2, 9), (1, 8), (4, 8), (1, 5), (1, 12), (3, 3)]
     m = _train(sizes, mark=True)
