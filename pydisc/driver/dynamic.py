@@ -102,9 +102,9 @@ def _dynamic_dims(key, real: torch.Tensor) -> tuple:
 
 def _fast_gate() -> bool:
     """Whether the fast recorder may record this step: a step recorded at __torch_function__ cannot be
-    matched to a template, so none while the model's dims are dynamic; nor a step whose inputs so far have other
-    sizes than the step before's: the dispatcher records it and its changed dims are found (and the
-    step choice's probe times the recording that the steps to come will have)."""
+    matched to a template, so none while the model's dims are dynamic; nor a step whose inputs so far
+    have other sizes than the step before's: the dispatcher records it and its changed dims are found
+    (and the step choice's probe times the recording that the steps to come will have)."""
     if ENGINE.dynamic.flagged:
         return False
     shapes, last = RECORDER.input_shapes, RECORDER.last_input_shapes
