@@ -64,6 +64,18 @@ def _no_dynamic_dims_of_another_test():
     yield
 
 
+@pytest.fixture
+def fresh_plans():
+    """A test that asserts plan-cache counters (hits, plans compiled) plans its steps anew: no plan,
+    sighting or dynamic-shape template of an earlier test in the process serves them (a model of the
+    same shapes trained by another test would)."""
+    from pydisc.driver.step import clear_plans
+
+    clear_plans()
+    yield
+    clear_plans()
+
+
 @pytest.fixture(autouse=True)
 def _warnings_not_yet_given(monkeypatch):
     """pydisc warns once per process about each thing (`diagnostics.warn_once`): each test starts as if

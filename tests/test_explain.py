@@ -5,17 +5,12 @@ import torch
 
 import pydisc
 from pydisc.config import CONFIG
-from pydisc.driver.step import clear_plans
 from pydisc.explain import explain, main, resolve
 
 aten = torch.ops.aten
 
 
-@pytest.fixture(autouse=True)
-def fresh_plans():
-    clear_plans()
-    yield
-    clear_plans()
+pytestmark = pytest.mark.usefixtures("fresh_plans")
 
 
 def _a():

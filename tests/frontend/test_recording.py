@@ -6,17 +6,12 @@ import torch
 
 import pydisc
 from pydisc.frontend.lazy_tensor import RECORDER
-from pydisc.driver.step import clear_plans
 
 aten = torch.ops.aten
 
 
-@pytest.fixture(autouse=True)
-def fresh_plans():
-    # plan-cache counters are asserted: no plan (or dynamic dim) of another test may serve these steps
-    clear_plans()
-    yield
-    clear_plans()
+# plan-cache counters are asserted: no plan (or dynamic dim) of another test may serve these steps
+pytestmark = pytest.mark.usefixtures("fresh_plans")
 
 
 def lazy(t):

@@ -17,7 +17,6 @@ from torch._decomp import core_aten_decompositions
 import pydisc
 from pydisc.config import CONFIG
 from pydisc.frontend import decompositions
-from pydisc.driver.step import clear_plans
 
 aten = torch.ops.aten
 MATMULS = {"aten.mm.default", "aten.bmm.default", "aten.addmm.default", "aten.baddbmm.default"}
@@ -145,14 +144,6 @@ class _Reduced(nn.Module):
         b, t, _ = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, HEADS, D // HEADS).permute(2, 0, 3, 1, 4)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
-
-
-@pytest.fixture
-def fresh_plans():
-    """Plans made with a decomposition table of a test's own are not reused by other tests."""
-    clear_plans()
-    yield
-    clear_plans()
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ def compile_on_second_sighting(monkeypatch):
 
 
 @pytest.mark.parametrize("name,attn", CPU_CASES, ids=["%s-%s" % c for c in CASES])
-def test_hf_model_trains_like_eager_compiled(name: str, attn: str, compile_on_second_sighting) -> None:
+def test_hf_model_trains_like_eager_compiled(name: str, attn: str, compile_on_second_sighting, fresh_plans) -> None:
     run = hf_models.train_side_by_side(name, steps=5, attn=attn)
     hf_models.assert_trains_like_eager(run)
     m = run.metrics
@@ -67,16 +67,6 @@ def test_hf_model_trains_like_eager_compiled_on_cuda(name: str, attn: str, compi
 
 
 LENGTHS = [8, 12, 16, 10, 14, 9, 11, 13, 15, 7, 12, 16, 10, 14, 9, 11, 13, 15, 8, 12]
-
-
-@pytest.fixture
-def fresh_plans():
-    """A dynamic-shape template serves one model: tests of other models start without it."""
-    from pydisc.driver.step import clear_plans
-
-    clear_plans()
-    yield
-    clear_plans()
 
 
 @pytest.mark.parametrize("name", ["gpt2", pytest.param("bert", marks=pytest.mark.long), "gpt2_dropout"])

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import pydisc
-import pydisc.diagnostics as diagnostics
 import pydisc.exec as pexec
 import pydisc.driver.step as pstep
 from pydisc.exec.compiled import CompiledModule
@@ -57,18 +56,6 @@ def assert_params_equal(a, b, exact=False):
             assert torch.equal(x, y)
         else:
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
-
-
-@pytest.fixture
-def fresh_plans():
-    """Each test plans its steps anew, and sees its own warnings (warn-once keys are process-global)."""
-    pstep.clear_plans()
-    saved = set(diagnostics._WARNED)
-    diagnostics._WARNED.clear()
-    yield
-    pstep.clear_plans()
-    diagnostics._WARNED.clear()
-    diagnostics._WARNED.update(saved)
 
 
 OPTIMIZERS = {
