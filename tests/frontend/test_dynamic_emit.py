@@ -145,8 +145,9 @@ def test_dynamic_emission_reads_sizes_from_arguments() -> None:
     assert cluster.dynamic
 
 
-# IREE 3.13 cannot compile a dot_general with dynamic sizes whose free dims on one side, or whose
-# contracting dims, are none or all 1 (pydisc emits those as a broadcast multiply and a sum)
+# IREE 3.13 cannot compile a dot_general with dynamic sizes whose contracting dims, or (without batch
+# dims) whose free dims on one side, are none or all 1 (pydisc emits those as a broadcast multiply and a
+# sum); with batch dims and a free dim of 1 (decode attention) it compiles the product
 VECTOR_PRODUCTS = {
     "linear_one_output": (lambda x, w: x @ w.t(), [torch.randn(5, 3), torch.randn(1, 3)], (5, 2, 9)),
     "row_times_matrix": (lambda x, w: x.sum(1, keepdim=True).t() @ x * w, [torch.randn(5, 3), torch.randn(1, 3)],

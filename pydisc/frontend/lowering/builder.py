@@ -515,13 +515,14 @@ class FunctionBuilder(RuntimeSizes):
         )
         if any(lhs.shape[d] == 0 for d in contract[0]):  # an empty sum; IREE 3.13 crashes compiling it
             return self.full(shape, 0, out_dtype)
-        if not (lhs.type.is_static and rhs.type.is_static) and any(
-                all(side[d] == 1 for d in dims) for side, dims in
-                ((lhs.shape, lhs_free), (rhs.shape, rhs_free), (lhs.shape, contract[0]))):
-            # IREE 3.13 rewrites a product with dynamic sizes whose free dims on one side, or whose
-            # contracting dims, are none or all 1 (a Linear with one output on a batch of any size, a
-            # vector product, a decode step's query of one token) into a static-only reshape it cannot
-            # compile: such a product is a broadcast multiply and a sum instead
+        if not (lhs.type.is_static and rhs.type.is_static) and (
+                all(lhs.shape[d] == 1 for d in contract[0]) or not batch[0] and any(
+                    all(side[d] == 1 for d in dims) for side, dims in ((lhs.shape, lhs_free), (rhs.shape, rhs_free)))):
+            # IREE 3.13 rewrites a product with dynamic sizes whose contracting dims are none or all 1,
+            # or, without batch dims, whose free dims on one side are (a Linear with one output on a
+            # batch of any size and its gradient, `mv`, `dot`), into a static-only reshape it cannot
+            # compile: such a product is a broadcast multiply and a sum instead. (With batch dims, a
+            # decode step's one-token query, it compiles the product.)
             return self._dot_as_sum(lhs, rhs, batch, contract, lhs_free, rhs_free, out_dtype)
         dims = (
             "#stablehlo.dot<"
