@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..diagnostics import log
-from ..frontend.layout import flat_base, view_of_base
+from ..frontend.layout import flat_base, is_whole, view_of_base
 from ..frontend.lazy_tensor import RECORDER, LazyTensor
 from ..frontend.tensor import concrete_layout
 from ..frontend.trace import LazyStorage, Trace
@@ -47,11 +47,9 @@ def bind(trace: Trace, outputs: tuple, results: list[torch.Tensor], executed: li
             storage = trace.storages[index]
             size, stride, offset, dtype = trace.metas[index]
             laid = _as_layout(val, size, stride)
-            if laid is val and _is_whole(val):
+            storage.real = flat_base(laid)
+            if laid is val and is_whole(val):
                 whole[id(storage)] = val
-                storage.real = val.view(-1) if not val.requires_grad else val.detach().view(-1)
-            else:
-                storage.real = flat_base(laid)
         touched.append(storage)
     if written:
         _write_inputs(trace, written, [val for (kind, _), val in zip(outputs, results) if kind == "base"])
@@ -107,12 +105,6 @@ def bind(trace: Trace, outputs: tuple, results: list[torch.Tensor], executed: li
     for e in trace.entries:
         for s in e.writes:
             s.written = True
-
-
-def _is_whole(val: torch.Tensor) -> bool:
-    """Is `val` contiguous over all of its storage (`flat_base` of it is a plain view)?"""
-    return val.is_contiguous() and val.storage_offset() == 0 and \
-        val.untyped_storage().nbytes() == val.numel() * val.element_size()
 
 
 def _bound(t: LazyTensor, whole: dict) -> torch.Tensor:

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["LayoutKey", "contiguous_strides", "flat_base", "hint", "is_symbolic", "layout_key", "numel", "view_of_base"]
+__all__ = ["LayoutKey", "contiguous_strides", "flat_base", "hint", "is_symbolic", "is_whole", "layout_key", "numel",
+           "view_of_base"]
+
+
+def is_whole(t: torch.Tensor) -> bool:
+    """Is `t` contiguous over all of its storage (its `flat_base` a plain view of it)?"""
+    return t.is_contiguous() and t.storage_offset() == 0 and \
+        t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
 def flat_base(t: torch.Tensor) -> torch.Tensor:
     """A 1-D tensor over the whole storage of `t` (offset 0), the form in which storages are kept."""
-    if t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+    if is_whole(t):
         return t.detach().reshape(-1)
     n = t.untyped_storage().nbytes() // t.element_size()
     return t.detach().as_strided((n,), (1,), 0)
