@@ -165,6 +165,18 @@ def test_large_reductions_over_leading_dims_split_in_two_stages() -> None:
     assert reduces >= 2 * 8 + 1, reduces        # the row sum x.sum(1) is not split
 
 
+def test_sums_of_products_with_a_broadcast_operand_compile() -> None:
+    # IREE 3.13's CPU code rejects a sum over the innermost dim and a dim that a product's operand is
+    # broadcast along ("'vector.contract' op invalid accumulator/result vector shape"): a weighted loss
+    # `(out * w).sum()` compiled nothing and its whole step ran eagerly. Reduced in two by the emitter.
+    def fn(x: torch.Tensor, w: torch.Tensor, v: torch.Tensor, y: torch.Tensor, c: torch.Tensor) -> list[torch.Tensor]:
+        return [(x * w).sum(), (x * w).mean(), (x * w).sum((1, 2)), (x * v).sum(), (y * w[:8]).sum(),
+                (x * c[:, None, :]).sum(), (x * w).amax((0, 2)), (x * w).sum(-1), (x * w).sum((0, 1))]
+
+    x, w = torch.randn(4, 8, 16), torch.randn(16)
+    check(fn, x, w, torch.randn(8, 16), torch.randn(4, 8), torch.randn(4, 16), rtol=1e-5, atol=1e-5)
+
+
 def test_split_choice() -> None:
     from pydisc.frontend.lowering import reductions
     from pydisc.frontend.lowering.values import TensorSpec, Value

@@ -560,8 +560,18 @@ class FunctionBuilder(RuntimeSizes):
         dims: Sequence[int],
         body: Callable[..., Sequence[Value]],
     ) -> tuple[Value, ...]:
-        """Variadic reduce over `dims`; `body(*accumulators, *elements)` gets 0-d values."""
+        """Variadic reduce over `dims`; `body(*accumulators, *elements)` gets 0-d values.
+
+        A reduction of one tensor over its last dim and others is emitted in two: over the others first,
+        then over the last. IREE 3.13's CPU code generator turns a sum over the innermost dim and a dim
+        that a broadcast operand of a product is broadcast along (`(x * w).sum()` with `w` a feature
+        vector, and its `mean`) into a `vector.contract` it then rejects ("invalid accumulator/result
+        vector shape"): the cluster, often the whole step, could not compile and ran eagerly. The
+        reduce body is associative by StableHLO's definition, so the regrouping is the same reduction."""
         dims = sorted(set(dims))
+        if len(xs) == 1 and len(dims) >= 2 and dims[-1] == xs[0].rank - 1:
+            (partial,) = self.reduce(xs, inits, dims[:-1], body)
+            return self.reduce([partial], inits, [partial.rank - 1], body)
         xs = [self._unfolded(x) for x in xs]
         shape = tuple(d for i, d in enumerate(xs[0].shape) if i not in dims)
         scalars = [TensorSpec((), x.dtype) for x in xs]
