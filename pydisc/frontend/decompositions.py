@@ -11,7 +11,8 @@ import functools
 from typing import Callable
 
 import torch
-from torch._decomp import core_aten_decompositions, get_decompositions
+from torch._decomp import core_aten_decompositions, decomposition_table, get_decompositions
+from torch._decomp.decompositions import _normalize_start_end
 from torch._ops import OpOverload, OpOverloadPacket
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
@@ -212,6 +213,35 @@ def _diagonal_scatter(x: torch.Tensor, src: torch.Tensor, offset: int = 0, dim1:
     return torch.where(on, values, moved).movedim((-2, -1), (dim1, dim2))
 
 
+def _slice_scatter(x: torch.Tensor, src: torch.Tensor, dim: int = 0, start: int | None = None,
+                   end: int | None = None, step: int = 1) -> torch.Tensor:
+    """slice_scatter, and with it the gradient of every slice (`slice_backward`), as the parts of `x`
+    around the slice concatenated with `src`. torch's decomposition selects with a mask and an `index`
+    with full-slice entries, which has no rule with dynamic sizes: in a dynamic-shape step the gradient of
+    `logits[..., :4]` ran in torch and cut the step's cluster in two. A strided slice (`x[..., ::2]`,
+    rotary embeddings) of a dim of static size that the step divides is a slice of x viewed as
+    (size / step, step) there, at one position of the second dim; other strided slices keep torch's
+    decomposition."""
+    dim = dim % x.dim()
+    size = x.shape[dim]
+    start, end = _normalize_start_end(x, dim, start, end)
+    if step != 1:
+        if type(size) is not int or size % step or end <= start:
+            return decomposition_table[aten.slice_scatter.default](x, src, dim, start, end, step)
+        rows = x.unflatten(dim, (size // step, step))
+        first = start // step
+        inner = _slice_scatter(rows.select(dim + 1, start % step), src, dim, first, first + src.shape[dim])
+        return aten.select_scatter(rows, inner, dim + 1, start % step).flatten(dim, dim + 1)
+    shape = list(x.shape)
+    shape[dim] = end - start
+    parts = [src.expand(shape)]
+    if start != 0:
+        parts.insert(0, x.narrow(dim, 0, start))
+    if end != size:
+        parts.append(x.narrow(dim, end, size - end))
+    return torch.cat(parts, dim) if len(parts) > 1 else parts[0].clone()
+
+
 def _batch_norm_backward(torch_decomposition: Callable) -> Callable:
     """torch's decomposition of native_batch_norm_backward, with the batch mean of a training step in
     half precision taken again from the input in float32: on the CPU the saved mean is rounded to the
@@ -406,6 +436,7 @@ def _build() -> dict[OpOverload, Callable]:
     table.update(_foreach_decompositions())
     table.update(_gather_backwards())
     table.update(SDPA_DECOMPOSITIONS)
+    table[aten.slice_scatter.default] = _slice_scatter
     bn_backward = aten.native_batch_norm_backward.default
     table[bn_backward] = _batch_norm_backward(table[bn_backward])
     return {op: conforming(op, fn) for op, fn in table.items()}

@@ -148,6 +148,43 @@ def test_a_regression_head_trained_on_batches_of_any_size_compiles():
     assert m["dynamic_templates"] == 1 and m["dynamic_matches"] >= 3 and _built() == 1, m["recompiles"]
 
 
+def test_gradients_of_slices_compile_in_a_template():
+    """The gradient of a slice (`slice_backward`, a `slice_scatter` into zeros) in a step of any length:
+    of the last position's logits, of a slice of features, of rotary embeddings' even and odd features.
+    torch's decomposition selected with an `index` that has no rule with dynamic sizes: each ran in
+    torch and cut the template's cluster in pieces."""
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.out = torch.nn.Linear(8, 16), torch.nn.Linear(16, 6)
+
+        def forward(self, x):
+            h = self.inp(x)
+            even, odd = h[..., ::2], h[..., 1::2]             # rotary embeddings' halves
+            h = torch.stack((even * 0.8 - odd * 0.6, even * 0.6 + odd * 0.8), -1).flatten(-2)
+            return self.out(torch.tanh(h))[:, -1, :4], h[:, 1:, 3:11]
+
+    torch.manual_seed(0)
+    model = Model()
+    ref = copy.deepcopy(model)
+    pydisc.lazy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+    g = torch.Generator().manual_seed(1)
+    for b, t in ((4, 6), (3, 8), (5, 7), (4, 10), (6, 5), (3, 9)):
+        x, y = torch.randn(b, t, 8, generator=g), torch.randint(0, 4, (b,), generator=g)
+        for m, o, target in ((model, opt, pydisc.to_lazy(y)), (ref, ref_opt, y)):
+            logits, feats = m(x)
+            (torch.nn.functional.cross_entropy(logits, target) + feats.square().mean()).backward()
+            o.step()
+            o.zero_grad()
+        pydisc.mark_step()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-6, msg=name)
+    m = pydisc.metrics()
+    assert m["dynamic_templates"] == 1 and m["dynamic_matches"] >= 2, m["recompiles"]
+    assert not m["fallback_ops"] and not m["compile_failures"], (m["fallback_ops"], m["compile_failures"])
+
+
 def test_a_second_model_of_the_same_architecture_is_not_the_first_with_changed_sizes():
     """A sweep over widths in one process: the second model has the first one's ops with other sizes,
     which is not a dim that varies (it made the width dynamic, pinned it to the weights' size with a

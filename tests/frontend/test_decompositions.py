@@ -301,3 +301,14 @@ def _strides_agree(shape, stride, expected) -> bool:
     if shape.numel() <= 1:
         return True
     return all(n == 1 or x == y for n, x, y in zip(shape, stride, expected))
+
+
+@pytest.mark.parametrize("dim, start, end, step", [
+    (1, 2, 5, 1), (1, None, 3, 1), (1, -3, None, 1), (0, 0, None, 1), (1, 0, 12, 2), (1, 1, None, 2),
+    (1, 3, 10, 3), (1, 2, 4, 2), (-1, 1, 4, 2), (1, 1, 9, 5), (1, 4, 4, 1), (1, 5, 100, 1)])
+def test_slice_scatter_as_a_concatenation(dim: int, start, end, step: int) -> None:
+    """pydisc's slice_scatter (concatenation; strided: of x viewed as (size / step, step)) is torch's."""
+    x = torch.randn(3, 12, 2).transpose(0, 2)
+    src = torch.randn_like(x[(slice(None),) * (dim % 3) + (slice(start, end, step),)])
+    got = DECOMPOSITIONS[aten.slice_scatter.default](x, src, dim, start, end, step)
+    torch.testing.assert_close(got, torch.slice_scatter(x, src, dim, start, end, step), rtol=0, atol=0)
