@@ -459,12 +459,31 @@ def _index_put_check(node: torch.fx.Node) -> str | None:
     return reason
 
 
-@lowering(aten.as_strided.default, aten.as_strided_copy.default)
+def _is_reshape(source_shape: Sequence, size: Sequence, stride: Sequence, offset=None) -> bool:
+    """Whether `as_strided(x, size, stride, offset)` of a contiguous `x` reads all of x in order: a
+    reshape (torch's group norm decomposition takes such views of a `[B, G, C/G, 1]` value)."""
+    if offset not in (None, 0) and size_of(offset) != 0:
+        return False
+    size = [size_of(d) for d in size]
+    if not same_size(math.prod(size_of(d) for d in source_shape), math.prod(size)):
+        return False
+    expected: object = 1
+    for d, step in zip(reversed(size), reversed(stride)):
+        if not (same_size(d, 1) or same_size(size_of(step), expected)):
+            return False
+        expected = expected * d
+    return True
+
+
+@lowering(aten.as_strided.default, aten.as_strided_copy.default, dynamic=True)
 def _as_strided(ctx: LoweringContext, x: Value, size: Sequence[int], stride: Sequence[int],
                 storage_offset: int | None = None) -> Value:
-    """A strided view of a contiguous tensor: gather the flat positions offset + sum(i_d * stride_d)."""
+    """A strided view of a contiguous tensor: gather the flat positions offset + sum(i_d * stride_d);
+    a reshape where it reads all of x in order (the only form with dynamic sizes, `_as_strided_check`)."""
     b = ctx.builder
     shape = ctx.out_spec.shape
+    if _is_reshape(x.shape, size, stride, storage_offset):
+        return b.reshape(x, shape)
     if ctx.out_spec.numel == 0:
         return b.full(shape, 0, x.dtype)
     x = _whole(b, x)
@@ -513,11 +532,21 @@ def _non_overlapping(size: Sequence[int], stride: Sequence[int]) -> bool:
     return True
 
 
+def _values(args):
+    """FX arguments with each node (a size computed in the graph) replaced by its value."""
+    if isinstance(args, (list, tuple)):
+        return type(args)(_values(a) for a in args)
+    return args.meta["val"] if isinstance(args, torch.fx.Node) else args
+
+
 @support_check(aten.as_strided.default, aten.as_strided_copy.default, prims.as_strided_scatter.default)
 def _as_strided_check(node: torch.fx.Node) -> str | None:
     source = node.args[0].meta["val"]  # type: ignore[union-attr]
     if not source.is_contiguous() or source.storage_offset() != 0:
         return "as_strided of a non-contiguous tensor"
+    if not (is_static([size_of(d) for d in source.shape]) and is_static([size_of(d) for d in node.meta["val"].shape])) \
+            and (node.target is prims.as_strided_scatter.default or not _is_reshape(source.shape, *_values(node.args[1:]))):
+        return f"{node.target} with dynamic sizes, other than a reshape"
     if source.numel() == 0 and node.meta["val"].numel() != 0:
         return "as_strided of an empty tensor"
     return None
