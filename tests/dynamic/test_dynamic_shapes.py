@@ -185,6 +185,37 @@ def test_gradients_of_slices_compile_in_a_template():
     assert not m["fallback_ops"] and not m["compile_failures"], (m["fallback_ops"], m["compile_failures"])
 
 
+def test_group_norm_compiles_in_a_template():
+    """GroupNorm over a sequence of any length: torch's decomposition takes `as_strided` views that read
+    a whole value in order (reshapes), which had no rule with dynamic sizes and ran in torch."""
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.norm, self.out = torch.nn.Linear(8, 16), torch.nn.GroupNorm(4, 16), torch.nn.Linear(16, 3)
+
+        def forward(self, x):
+            return self.out(self.norm(self.inp(x).transpose(1, 2)).transpose(1, 2).mean(1))
+
+    torch.manual_seed(0)
+    model = Model()
+    ref = copy.deepcopy(model)
+    pydisc.lazy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+    g = torch.Generator().manual_seed(1)
+    for b, t in ((4, 6), (3, 8), (5, 7), (4, 10), (6, 5)):
+        x, y = torch.randn(b, t, 8, generator=g), torch.randint(0, 3, (b,), generator=g)
+        for m, o, target in ((model, opt, pydisc.to_lazy(y)), (ref, ref_opt, y)):
+            torch.nn.functional.cross_entropy(m(x), target).backward()
+            o.step()
+            o.zero_grad()
+        pydisc.mark_step()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-6, msg=name)
+    m = pydisc.metrics()
+    assert m["dynamic_templates"] == 1 and m["dynamic_matches"] >= 1, m["recompiles"]
+    assert not m["fallback_ops"] and not m["compile_failures"], (m["fallback_ops"], m["compile_failures"])
+
+
 def test_a_second_model_of_the_same_architecture_is_not_the_first_with_changed_sizes():
     """A sweep over widths in one process: the second model has the first one's ops with other sizes,
     which is not a dim that varies (it made the width dynamic, pinned it to the weights' size with a
