@@ -488,6 +488,8 @@ def _plan_concrete(trace: Trace, key: tuple, executed: list[int], outputs: tuple
     try:
         plan = build_plan(program, inputs, device, sources)
         METRICS.plans_compiled += 1
+    except Exception as exc:     # noqa: BLE001 - a fault of pydisc's planning: the step runs in torch
+        plan = _planning_failed(program, exc, "planning a step")
     except KeyboardInterrupt:
         # Ctrl-C during a long compile: finish this step eagerly, so that everything it made
         # (optimizer state included) holds data, then stop as asked.
@@ -517,7 +519,10 @@ def _plan_symbolic(trace: Trace, executed: list[int], outputs: tuple, inputs: li
         ENGINE.dynamic.covered.update(patterns)
         program = concrete_program(trace, executed, outputs)
         METRICS.plans_compiled += 1
-        return build_plan(program, inputs, device, sources), inputs, None
+        try:
+            return build_plan(program, inputs, device, sources), inputs, None
+        except Exception as exc:     # noqa: BLE001
+            return _planning_failed(program, exc, "planning a step"), inputs, None
     session.note_guards(None)
     pinned = session.specialised()
     if pinned:
@@ -558,11 +563,16 @@ def _plan_ready(key: tuple, plan: StepPlan) -> None:
 
 
 def _plan_failed(key: tuple, program: Program, exc: BaseException) -> None:
-    warn_once("background:" + type(exc).__name__,
-              "pydisc: building a step's plan in the background failed (%s: %s); this graph runs eagerly "
-              "from now on" % (type(exc).__name__, exc))
-    METRICS.compile_failures["background:" + type(exc).__name__] += 1
-    ENGINE.plans[key] = StepPlan(program, Counter(str(e[0]) for e in program.entries))
+    ENGINE.plans[key] = _planning_failed(program, exc, "building a step's plan in the background")
+
+
+def _planning_failed(program: Program, exc: BaseException, what: str) -> StepPlan:
+    """Planning raised: a fault of pydisc's (eager runs the step), so the graph's plan runs its ops in
+    torch from now on; warned once and counted in `compile_failures` ("planning:<exception>")."""
+    warn_once("planning:" + type(exc).__name__,
+              "pydisc: %s failed (%s: %s); this graph runs eagerly from now on" % (what, type(exc).__name__, exc))
+    METRICS.compile_failures["planning:" + type(exc).__name__] += 1
+    return StepPlan(program, Counter(str(e[0]) for e in program.entries))
 
 
 def _start_template(template, device: torch.device) -> None:
@@ -582,7 +592,9 @@ def _start_template(template, device: torch.device) -> None:
 
     def failed(exc: BaseException) -> None:
         template.building = False
-        raise exc
+        template.plan = _planning_failed(template.program, exc, "building a dynamic-shape plan in the background")
+        template.guards = template.session.guards()
+        template.fakes = None
 
     background.start(template.program, template.fakes, device, template.sources, done, failed)
 
@@ -592,8 +604,11 @@ def _build_template(binding, device: torch.device) -> bool:
     the graph added (the template then serves only steps that satisfy it)."""
     template = binding.template
     METRICS.graph_cache_misses += 1
-    template.plan = build_plan(template.program, template.fakes, device, template.sources)
-    METRICS.plans_compiled += 1
+    try:
+        template.plan = build_plan(template.program, template.fakes, device, template.sources)
+        METRICS.plans_compiled += 1
+    except Exception as exc:     # noqa: BLE001
+        template.plan = _planning_failed(template.program, exc, "planning a dynamic-shape step")
     template.guards = template.session.guards()
     template.fakes = None
     return template_match.guards_hold(template, binding.sizes)

@@ -150,6 +150,39 @@ def test_compile_error_falls_back_to_eager(monkeypatch, fresh_plans):
     assert not [w for w in caught if issubclass(w.category, pydisc.PydiscWarning)]
 
 
+def test_a_fault_in_planning_falls_back_to_eager(monkeypatch, fresh_plans):
+    """An exception of pydisc's own while a step is planned (here a lowering's support check) is not the
+    user's: the step runs eagerly, warned once and counted, and its graph stays eager without planning
+    again. It used to propagate out of mark_step()."""
+    from pydisc.frontend.lowering import registry
+    calls = []
+
+    def broken(node):
+        calls.append(node)
+        raise TypeError("injected fault in a support check")
+
+    monkeypatch.setitem(registry.SUPPORT_CHECKS, torch.ops.aten.tanh.default, broken)
+    eager, lazy = make_models(width=11)               # a graph structure no other test plans
+    e_opt = torch.optim.SGD(eager.parameters(), lr=0.1, momentum=0.9)
+    l_opt = torch.optim.SGD(lazy.parameters(), lr=0.1, momentum=0.9)
+    before = pydisc.metrics()["compile_failures"].get("planning:TypeError", 0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(5):
+            e_loss = train_step(eager, e_opt, i)
+            l_loss = train_step(lazy, l_opt, i)
+            pydisc.mark_step()
+            torch.testing.assert_close(l_loss.cpu(), e_loss.detach(), rtol=1e-6, atol=1e-6)
+            assert_params_equal(params(lazy), params(eager))
+            if i == 2:      # both graphs (the optimizer's first step, the steps after it) planned once
+                planned = len(calls), pydisc.metrics()["compile_failures"]["planning:TypeError"]
+    assert calls, "the support check was never asked"
+    ours = [str(w.message) for w in caught if issubclass(w.category, pydisc.PydiscWarning)]
+    assert len(ours) == 1 and "injected fault" in ours[0], ours
+    assert planned[1] > before
+    assert (len(calls), pydisc.metrics()["compile_failures"]["planning:TypeError"]) == planned   # not planned again
+
+
 def test_compile_error_in_one_cluster_only(monkeypatch, fresh_plans):
     """Only the cluster that fails runs eagerly; a cluster separated from it by an eager op compiles."""
     real = pexec.compile_module
