@@ -164,3 +164,21 @@ def test_cluster_too_large_for_the_target_is_split_and_still_compiled(monkeypatc
     assert max(sizes) > 3 and m["clusters"] >= 2
     xc = x.cpu()
     torch.testing.assert_close(y.cpu(), ((xc.sin() * 2.5 + 1).exp().tanh() - xc.cos()).abs())
+
+
+def test_strict_mode_raises_when_planning_leaves_an_op_eager(config, monkeypatch):
+    """Strict mode's refusal at planning (an op the partitioner leaves to torch) reaches the user; it is
+    not taken for a fault of pydisc's planning, which would run the step eagerly."""
+    from pydisc.driver.step import clear_plans
+    from pydisc.frontend.lowering import registry
+    config(strict=True, compile_after=1, torch_mlir=False)
+    monkeypatch.setitem(registry.SUPPORT_CHECKS, torch.ops.aten.tanh.default, lambda node: "refused by the test")
+    clear_plans()
+    x = pydisc.to_lazy(torch.randn(5))
+    y = torch.tanh(x * 3)
+    with pytest.raises(pydisc.StrictModeError, match="refused by the test"):
+        pydisc.mark_step()
+    del y
+    from pydisc.frontend.lazy_tensor import RECORDER
+    RECORDER.new_trace()
+    clear_plans()

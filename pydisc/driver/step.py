@@ -20,6 +20,7 @@ from ..exec import graphs
 from ..exec.compiled import collecting_calls
 from ..frontend import fast
 from ..frontend.lazy_tensor import PRUNE_FIRST_AT, RECORDER, LazyTensor, materialize
+from ..frontend.tensor import StrictModeError
 from ..frontend.replay import NotDynamic, Program, concrete_program, program_from_trace, symbolic_program
 from ..frontend.trace import Trace
 from ..metrics import METRICS
@@ -568,7 +569,10 @@ def _plan_failed(key: tuple, program: Program, exc: BaseException) -> None:
 
 def _planning_failed(program: Program, exc: BaseException, what: str) -> StepPlan:
     """Planning raised: a fault of pydisc's (eager runs the step), so the graph's plan runs its ops in
-    torch from now on; warned once and counted in `compile_failures` ("planning:<exception>")."""
+    torch from now on; warned once and counted in `compile_failures` ("planning:<exception>"). Strict
+    mode's refusal and running out of memory are the user's to see: raised again."""
+    if isinstance(exc, StrictModeError) or out_of_memory_in(exc):
+        raise exc
     warn_once("planning:" + type(exc).__name__,
               "pydisc: %s failed (%s: %s); this graph runs eagerly from now on" % (what, type(exc).__name__, exc))
     METRICS.compile_failures["planning:" + type(exc).__name__] += 1
