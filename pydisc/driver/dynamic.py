@@ -219,14 +219,19 @@ def _without_size_only(program: Program, trace: Trace, metas: dict) -> tuple[Pro
     outputs = {i for kind, i in program.outputs if kind == "value"}
     for entry in program.entries:
         fn, args, kwargs, out_vids, kind = entry
-        if isinstance(fn, torch._ops.OpOverload) and not value_refs((args, kwargs), ScalarRef) and \
-                all(r.vid in size_only for r in value_refs((args, kwargs))) and \
+        refs = value_refs((args, kwargs))
+        # (a Python float in such an op, lifted to a scalar input here, is one the concrete step does
+        # not lift: it computes the op in torch, T5's relative position buckets divided by a log)
+        if isinstance(fn, torch._ops.OpOverload) and all(r.vid in size_only for r in refs) and \
+                (refs or not value_refs((args, kwargs), ScalarRef)) and \
                 not any(v in outputs for v in out_vids if v is not None):
             size_only.update(v for v in out_vids if v is not None)
         else:
             kept.append(entry)
     if not size_only:
         return program, [("real", i) for i in range(program.n_reals)]
+    scalars = sorted({r.index for fn, args, kwargs, _, _ in kept for r in value_refs((args, kwargs), ScalarRef)})
+    new_scalar = {old: ScalarRef(k) for k, old in enumerate(scalars)}
     real_sources: list = []
     new_real: dict = {}
 
@@ -242,6 +247,8 @@ def _without_size_only(program: Program, trace: Trace, metas: dict) -> tuple[Pro
             return real(("value", a.vid))
         if t is RealRef:
             return real(("real", a.index))
+        if t is ScalarRef:
+            return new_scalar[a.index]
         if t is list:
             return [convert(x) for x in a]
         if t is tuple:
@@ -266,7 +273,7 @@ def _without_size_only(program: Program, trace: Trace, metas: dict) -> tuple[Pro
                 if type(e) is SymExpr and e.expr.is_Symbol and e.expr not in known:
                     known.add(e.expr)
                     sources.append((e.expr, "r", k, d))
-    cut = Program(inputs, entries, program.n_storages, len(real_sources), program.n_scalars, program.outputs,
+    cut = Program(inputs, entries, program.n_storages, len(real_sources), len(scalars), program.outputs,
                   frozenset(i for i in program.viewed if i in read), tuple(sources))
     return cut, real_sources
 

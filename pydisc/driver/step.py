@@ -642,9 +642,9 @@ def _fake_inputs(trace: Trace, template, scalars) -> list:
             fake = session.fake_static(tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device,
                                        t.untyped_storage().nbytes())
         fakes.append(fake)
-    if scalars is not None:
-        fakes.append(session.fake_static(tuple(scalars.shape), scalars.stride(), 0, scalars.dtype,
-                                         scalars.device, scalars.untyped_storage().nbytes()))
+    if program.n_scalars:   # (fewer than the recorded step's where entries on sizes alone took some)
+        fakes.append(session.fake_static((program.n_scalars,), (1,), 0, scalars.dtype, scalars.device,
+                                         program.n_scalars * scalars.element_size()))
     return fakes
 
 

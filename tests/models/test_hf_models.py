@@ -69,12 +69,13 @@ def test_hf_model_trains_like_eager_compiled_on_cuda(name: str, attn: str, compi
 LENGTHS = [8, 12, 16, 10, 14, 9, 11, 13, 15, 7, 12, 16, 10, 14, 9, 11, 13, 15, 8, 12]
 
 
-@pytest.mark.parametrize("name", ["gpt2", pytest.param("bert", marks=pytest.mark.long), "gpt2_dropout"])
+@pytest.mark.parametrize("name", ["gpt2", pytest.param("bert", marks=pytest.mark.long), "gpt2_dropout", "t5", "llama"])
 def test_hf_model_with_a_new_length_every_step_compiles_once(name: str, compile_on_second_sighting,
                                                               fresh_plans) -> None:
     """DISC's own case: the sequence length changes every step and one executable serves them all,
     from the fifth step on (the first two steps are new graphs, the third shows the length change, the
-    fourth is recorded with symbolic sizes)."""
+    fourth is recorded with symbolic sizes). T5 divides its relative positions, computed from the length
+    alone, by a Python float; Llama's rotary embeddings slice the features (their gradient)."""
     run = hf_models.train_side_by_side(name, lengths=LENGTHS)
     hf_models.assert_trains_like_eager(run)
     m = run.metrics
