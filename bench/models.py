@@ -102,7 +102,7 @@ def main() -> None:
     print()
     print("| model, a new length every step (20 steps) | equal to eager | plans | steps compiled | fallbacks |")
     print("| --- | --- | ---: | ---: | --- |")
-    for name in ("gpt2", "bert", "llama"):
+    for name in ("gpt2", "bert", "llama", "t5"):
         if only and name not in only:
             continue
         r = _measure("dynamic", name, "sdpa")
