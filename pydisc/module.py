@@ -1,6 +1,7 @@
 """`pydisc.lazy(module)`: turn a module's parameters and buffers into lazy tensors, in place."""
 from __future__ import annotations
 
+import copy
 import weakref
 
 import torch
@@ -26,14 +27,28 @@ def _moved(x, device: torch.device):
     run eagerly, where a pytree walk cost 75 us of a 370 us MLP step)."""
     if isinstance(x, torch.Tensor):
         return x.to(device)
+    return _mapped(x, _moved, device)
+
+
+def _mapped(x, fn, device: torch.device):
+    """A list, tuple or dict `x` with `fn(item, device)` for its items: `x` itself where no item changed,
+    else a container of the same type (a namedtuple, an OrderedDict, an HF `ModelOutput`, which `generate`
+    passes as `encoder_outputs`: rebuilt as a plain dict, T5's forward failed on `encoder_outputs[0]`)."""
     if isinstance(x, (list, tuple)):
-        items = [_moved(v, device) for v in x]
+        items = [fn(v, device) for v in x]
         if all(a is b for a, b in zip(items, x)):
             return x
-        return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+        return type(x)(*items) if hasattr(x, "_fields") else items if type(x) is list else type(x)(items)
     if isinstance(x, dict):
-        items = {k: _moved(v, device) for k, v in x.items()}
-        return x if all(items[k] is v for k, v in x.items()) else type(x)(items)
+        items = {k: fn(v, device) for k, v in x.items()}
+        if all(items[k] is v for k, v in x.items()):
+            return x
+        if type(x) is dict:
+            return items
+        out = copy.copy(x)      # its type and state (a defaultdict's factory, a ModelOutput's fields)
+        for k, v in items.items():
+            out[k] = v
+        return out
     return x
 
 
@@ -70,11 +85,7 @@ def _lazy_input(x, device: torch.device):
         if marked is not None:
             x._pydisc_dynamic = marked
         return to_lazy(x, step_input=True)
-    if isinstance(x, (list, tuple)):
-        return type(x)(_lazy_input(v, device) for v in x)
-    if isinstance(x, dict):
-        return {k: _lazy_input(v, device) for k, v in x.items()}
-    return x
+    return _mapped(x, _lazy_input, device)
 
 
 def lazy(module: torch.nn.Module, *, device: str | torch.device | None = None,

@@ -517,6 +517,41 @@ def test_slices_of_one_eager_tensor_reuse_the_plan() -> None:
             pydisc.mark_step()
     assert pydisc.metrics()["graph_cache_misses"] == 1      # today: 4, one plan per offset
 
+
+def test_containers_passed_to_a_lazy_module_keep_their_types() -> None:
+    """The input hook makes the tensors inside a module's arguments lazy: the containers around them
+    keep their types (it made every dict plain, and HF T5's generate then failed on
+    `encoder_outputs[0]`), and a container with nothing to convert is passed as it is."""
+    import collections
+
+    Pair = collections.namedtuple("Pair", "a b")
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, pair, ordered, default, plain, untouched):
+            assert type(pair) is Pair and type(ordered) is collections.OrderedDict
+            assert type(default) is collections.defaultdict and default["missing"] == []
+            assert list(ordered) == ["z", "a"] and type(plain) is dict
+            untouched.append("seen")                      # the caller's own list, as in eager
+            return self.lin(pair.a + pair.b + ordered["z"] + default["x"] + plain["p"])
+
+    eager = Model()
+    lazy = pydisc.lazy(copy.deepcopy(eager))
+    x = torch.randn(2, 4)
+    outs, lists = [], []
+    for m in (eager, lazy):
+        untouched = ["a string"]
+        default = collections.defaultdict(list, x=x * 3)
+        outs.append(m(Pair(x, x * 2), collections.OrderedDict(z=x, a=1), default, {"p": x}, untouched))
+        lists.append(untouched)
+    pydisc.mark_step()
+    torch.testing.assert_close(outs[1].cpu(), outs[0])
+    assert lists[0] == lists[1] == ["a string", "seen"]
+
+
 # The two repros below (fixed in 23e81cb) run in a fresh interpreter: should they regress, a failed
 # step that stays recorded would fail every later test of the session instead of just these.
 

@@ -123,11 +123,12 @@ def test_greedy_decoding_by_hand_compiles_one_plan_for_every_length(name: str, c
     assert m["fallback_ops"] == {}
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "t5"])
 def test_generate_greedy_with_the_default_cache_compiles_one_plan(name: str, compile_on_second_sighting,
                                                                   fresh_plans) -> None:
     """HF generate() calls the model once per token and reads each token's result, without a
-    mark_step: a read without grad that ran everything pending ends the step."""
+    mark_step: a read without grad that ran everything pending ends the step. T5's generate passes the
+    encoder's `ModelOutput` to every decoder call (the input hook made it a plain dict: KeyError)."""
     torch.manual_seed(0)
     eager = hf_models.MODELS[name]().eval()
     lazy = pydisc.lazy(copy.deepcopy(eager))
