@@ -148,6 +148,29 @@ def test_a_regression_head_trained_on_batches_of_any_size_compiles():
     assert m["dynamic_templates"] == 1 and m["dynamic_matches"] >= 3 and _built() == 1, m["recompiles"]
 
 
+def _sequences(sizes, classes: int) -> list:
+    """(x, y) batches of sequences of 8 features: x (batch, length, 8), y a class per sequence."""
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(b, t, 8, generator=g), torch.randint(0, classes, (b,), generator=g)) for b, t in sizes]
+
+
+def _trains_like_eager(model, loss_of, batches) -> dict:
+    """Train `model` under pydisc and its copy eagerly on `batches` (SGD with momentum, the targets
+    through `to_lazy`: an eager target would pin the batch), compare the parameters, return the metrics."""
+    ref = copy.deepcopy(model)
+    pydisc.lazy(model)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
+    for x, y in batches:
+        for m, o, target in ((model, opt, pydisc.to_lazy(y)), (ref, ref_opt, y)):
+            loss_of(m, x, target).backward()
+            o.step()
+            o.zero_grad()
+        pydisc.mark_step()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-6, msg=name)
+    return pydisc.metrics()
+
+
 def test_gradients_of_slices_compile_in_a_template():
     """The gradient of a slice (`slice_backward`, a `slice_scatter` into zeros) in a step of any length:
     of the last position's logits, of a slice of features, of rotary embeddings' even and odd features.
@@ -164,23 +187,12 @@ def test_gradients_of_slices_compile_in_a_template():
             h = torch.stack((even * 0.8 - odd * 0.6, even * 0.6 + odd * 0.8), -1).flatten(-2)
             return self.out(torch.tanh(h))[:, -1, :4], h[:, 1:, 3:11]
 
+    def loss_of(m, x, target):
+        logits, feats = m(x)
+        return torch.nn.functional.cross_entropy(logits, target) + feats.square().mean()
+
     torch.manual_seed(0)
-    model = Model()
-    ref = copy.deepcopy(model)
-    pydisc.lazy(model)
-    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
-    g = torch.Generator().manual_seed(1)
-    for b, t in ((4, 6), (3, 8), (5, 7), (4, 10), (6, 5), (3, 9)):
-        x, y = torch.randn(b, t, 8, generator=g), torch.randint(0, 4, (b,), generator=g)
-        for m, o, target in ((model, opt, pydisc.to_lazy(y)), (ref, ref_opt, y)):
-            logits, feats = m(x)
-            (torch.nn.functional.cross_entropy(logits, target) + feats.square().mean()).backward()
-            o.step()
-            o.zero_grad()
-        pydisc.mark_step()
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-6, msg=name)
-    m = pydisc.metrics()
+    m = _trains_like_eager(Model(), loss_of, _sequences([(4, 6), (3, 8), (5, 7), (4, 10), (6, 5), (3, 9)], 4))
     assert m["dynamic_templates"] == 1 and m["dynamic_matches"] >= 2, m["recompiles"]
     assert not m["fallback_ops"] and not m["compile_failures"], (m["fallback_ops"], m["compile_failures"])
 
@@ -197,21 +209,8 @@ def test_group_norm_compiles_in_a_template():
             return self.out(self.norm(self.inp(x).transpose(1, 2)).transpose(1, 2).mean(1))
 
     torch.manual_seed(0)
-    model = Model()
-    ref = copy.deepcopy(model)
-    pydisc.lazy(model)
-    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, ref))
-    g = torch.Generator().manual_seed(1)
-    for b, t in ((4, 6), (3, 8), (5, 7), (4, 10), (6, 5)):
-        x, y = torch.randn(b, t, 8, generator=g), torch.randint(0, 3, (b,), generator=g)
-        for m, o, target in ((model, opt, pydisc.to_lazy(y)), (ref, ref_opt, y)):
-            torch.nn.functional.cross_entropy(m(x), target).backward()
-            o.step()
-            o.zero_grad()
-        pydisc.mark_step()
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-6, msg=name)
-    m = pydisc.metrics()
+    m = _trains_like_eager(Model(), lambda m, x, target: torch.nn.functional.cross_entropy(m(x), target),
+                           _sequences([(4, 6), (3, 8), (5, 7), (4, 10), (6, 5)], 3))
     assert m["dynamic_templates"] == 1 and m["dynamic_matches"] >= 1, m["recompiles"]
     assert not m["fallback_ops"] and not m["compile_failures"], (m["fallback_ops"], m["compile_failures"])
 
