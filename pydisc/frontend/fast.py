@@ -133,6 +133,16 @@ def _has_fast(a) -> bool:
     return False
 
 
+def _has_redirect(args) -> bool:
+    return any(type(a) is LazyTensor and a._redirect is not None for a in args)
+
+
+def _redirect_of(t: LazyTensor) -> LazyTensor:
+    while t._redirect is not None:
+        t = t._redirect
+    return t
+
+
 def _resolved(a):
     t = type(a)
     if t is LazyTensor:
@@ -163,9 +173,7 @@ def resolve(t: LazyTensor) -> LazyTensor:
         seg = t._fseg
         if seg is not None and seg is FAST.segment:
             seg.demote("a value of the step used where the fast recorder cannot follow it")
-    while t._redirect is not None:
-        t = t._redirect
-    return t
+    return _redirect_of(t)
 
 
 def flush() -> None:
@@ -196,6 +204,10 @@ def _default(func, args, kwargs):
 def _torch_function(cls, func, types, args=(), kwargs=None):
     with _NO_SUBCLASS():    # the handler's own reads of lazy tensors do not come back here
         if func in _METADATA:
+            if FAST.redirected and _has_redirect(args):
+                # a value of a demoted step answers for the tensor it stands for: an in-place view op
+                # (`h.unsqueeze_(0)`, which demotes) changed that tensor's sizes, not the wrapper's
+                args = tuple(_redirect_of(a) if type(a) is LazyTensor else a for a in args)
             return func(*args, **(kwargs or {}))
         seg = FAST.segment
         if (seg is not None or FAST.armed) and FAST.owner != _thread():

@@ -218,6 +218,34 @@ def test_what_the_fast_path_cannot_follow_is_demoted_and_equals_eager(make, forw
     assert m["fast_demotions"].get(reason) == 2 and m["fast_skipped"] == 1, (m["fast_demotions"], m["fast_skipped"])
 
 
+def test_sizes_read_after_an_in_place_view_op_are_eagers(fast_recording, replayed_eagerly) -> None:
+    """`h.unsqueeze_(0)` demotes the segment; the sizes code reads from `h` afterwards are those of the
+    tensor it now stands for (they were the wrapper's own, as before the op: `h.shape` read (3, 4)
+    where eager reads (3, 1, 4), and code branching on it would have taken another path)."""
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.lin(x) * 2
+            h.unsqueeze_(0)
+            h.transpose_(0, 1)
+            return (h * torch.arange(4.0)).sum(), (tuple(h.shape), h.dim(), h.stride(), len(h))
+
+    torch.manual_seed(0)
+    ref = Model()
+    model = pydisc.lazy(copy.deepcopy(ref))
+    x = torch.randn(3, 4)
+    (loss, seen), (ref_loss, want) = model(x), ref(x)
+    loss.backward()
+    ref_loss.backward()
+    pydisc.mark_step()
+    assert seen == want == ((3, 1, 4), 3, (4, 12, 1), 3)
+    torch.testing.assert_close(model.lin.weight.grad.cpu(), ref.lin.weight.grad)
+    assert pydisc.metrics()["fast_demotions"].get("an in-place op that changes sizes") == 1
+
+
 def test_eager_errors_are_raised(fast_recording) -> None:
     model = pydisc.lazy(nn.Linear(8, 4))
     with pytest.raises(RuntimeError, match="grad can be implicitly created only for scalar outputs"):
