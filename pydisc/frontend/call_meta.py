@@ -18,6 +18,7 @@ from torch.utils import _pytree as pytree
 from ..diagnostics import call_name
 from .dtype_checks import EAGER_DTYPE_CHECKS, eager_dtype_error
 from .fused import FV, XV, Demote, NoMeta
+from .layout import contiguous_strides
 
 __all__ = ["RECIPES", "Recipe", "call_recipe", "on_device"]
 
@@ -93,8 +94,9 @@ class Recipe:
     def __init__(self, spec, leaves, outputs, mutated, mutated_rg, connected, random) -> None:
         self.spec = spec            # pytree spec of the result (None: a single tensor)
         self.leaves = leaves        # the result's leaves, tensors as None
-        # per tensor leaf: (leaf index, size, stride, offset, dtype, nbytes, requires_grad, alias, same)
-        # alias: the argument slot it is a view of; same: the argument slot it is
+        # per tensor leaf: (leaf index, size, stride, offset, dtype, nbytes, requires_grad, alias, same,
+        # plain); alias: the argument slot it is a view of; same: the argument slot it is; plain:
+        # contiguous at offset 0 (its wrapper is made without strides, which costs less)
         self.outputs = outputs
         self.mutated = mutated      # argument slots written in place
         self.mutated_rg = mutated_rg    # ... and whether each requires grad after the write
@@ -159,8 +161,9 @@ def call_recipe(func, enc_args, enc_kwargs, slots: list, metas: dict, fake, devi
                 break
             if alias is None and _is_alias_of(o, m):
                 alias = slot_of[key]
-        outputs.append((j, tuple(o.shape), o.stride(), o.storage_offset(), o.dtype,
-                        o.untyped_storage().nbytes(), bool(o.requires_grad), alias, same))
+        size, stride, offset = tuple(o.shape), o.stride(), o.storage_offset()
+        outputs.append((j, size, stride, offset, o.dtype, o.untyped_storage().nbytes(), bool(o.requires_grad),
+                        alias, same, offset == 0 and stride == contiguous_strides(size)))
     if not outputs:
         if mutated:
             pass        # written in place, returning nothing (`x[i] = v`)

@@ -56,6 +56,7 @@ class Segment:
         self.links: list[tuple] = []
         self.metas: list[tuple] = []        # fid -> (size, stride, offset, dtype, nbytes)
         self.rg: list[bool] = []            # fid -> requires grad
+        self.lays: list[tuple] = []         # fid -> metas + (requires grad,): its part of a call's key
         self.root: list[int] = []           # fid -> fid of the value whose storage it views (itself if fresh)
         self.ext_alias: dict[int, int] = {}  # fid -> input slot whose storage it views
         self.aliased: set[int] = set()      # fids with views or that are views
@@ -63,6 +64,7 @@ class Segment:
         self.externals: list[torch.Tensor] = []
         self.ext_index: dict[int, int] = {}
         self.ext_versions: list[int] = []
+        self.ext_lays: list = []            # input index -> its part of a call's key (None: an eager tensor)
         self.started = time.perf_counter()
         self.meta_seconds = 0.0
         self.armed_by = None                # (module, its training mode) whose forward opened it (fast.arm)
@@ -88,6 +90,9 @@ class Segment:
             index = self.ext_index[id(t)] = len(self.externals)
             self.externals.append(t)
             self.ext_versions.append(t._version)
+            # (a lazy input's layout and requires_grad cannot change while the segment is open: what
+            # would change them demotes it; an eager tensor's are read at each call)
+            self.ext_lays.append((t._mk, t.requires_grad) if type(t) is LazyTensor else None)
         return _xv(index)
 
     def encode(self, a, sig: list, slots: list):
@@ -140,11 +145,16 @@ class Segment:
 
     def layout_of(self, v) -> tuple:
         if type(v) is FV:
-            return self.metas[v.fid] + (self.rg[v.fid],)
+            return self.lays[v.fid]
+        lay = self.ext_lays[v.index]
+        if lay is not None:
+            return lay
         t = self.externals[v.index]
-        if type(t) is LazyTensor:
-            return (t._mk, t.requires_grad)
         return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device, t.requires_grad)
+
+    def _requires_grad(self, fid: int) -> None:
+        self.rg[fid] = True
+        self.lays[fid] = self.metas[fid] + (True,)
 
     def meta_of(self, v):
         if type(v) is FV:
@@ -207,7 +217,7 @@ class Segment:
         # `x.contiguous()` of a contiguous value, `x.to(x.dtype)`, `F.dropout(x, 0.0)`, dropout in eval mode:
         # eager returns the argument itself, unchanged; such a call is not an entry of the segment
         unchanged = not recipe.mutated
-        for j, size, stride, offset, dtype, nbytes, rg, alias, same in recipe.outputs:
+        for j, size, stride, offset, dtype, nbytes, rg, alias, same, plain in recipe.outputs:
             if same is not None:
                 v = slots[same]
                 obj = _find(args, kwargs, same)
@@ -215,7 +225,7 @@ class Segment:
                     results[j] = obj
                     continue
                 if rg and not self.rg[v.fid]:
-                    self.rg[v.fid] = True
+                    self._requires_grad(v.fid)
                     unchanged = False
                 out_fids.append(v.fid)
                 out_leaves.append(j)
@@ -223,8 +233,10 @@ class Segment:
                 continue
             unchanged = False
             fid = len(self.metas)
-            self.metas.append((size, stride, offset, dtype, nbytes))
+            meta = (size, stride, offset, dtype, nbytes)
+            self.metas.append(meta)
             self.rg.append(rg)
+            self.lays.append(meta + (rg,))
             root = fid
             if alias is not None:
                 src = slots[alias]
@@ -238,8 +250,11 @@ class Segment:
                 else:
                     self.ext_alias[fid] = src.index
             self.root.append(root)
-            obj = _make_wrapper(LazyTensor, size, strides=stride, storage_offset=offset, dtype=dtype,
-                                device=self.device)
+            if plain:
+                obj = _make_wrapper(LazyTensor, size, dtype=dtype, device=self.device)
+            else:
+                obj = _make_wrapper(LazyTensor, size, strides=stride, storage_offset=offset, dtype=dtype,
+                                    device=self.device)
             obj._fid = fid
             obj._fseg = self
             self.objects.append(weakref.ref(obj))
@@ -249,7 +264,7 @@ class Segment:
         for slot, rg in zip(recipe.mutated, recipe.mutated_rg):
             v = slots[slot]
             if rg:
-                self.rg[v.fid] = True   # `buf[:, :3] = a(x)`: buf requires grad from now on
+                self._requires_grad(v.fid)   # `buf[:, :3] = a(x)`: buf requires grad from now on
             if recipe.outputs and any(o[8] == slot for o in recipe.outputs):
                 continue
             out_fids.append(v.fid)      # written in place and not returned: same value id, newer data
