@@ -8,7 +8,8 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .diagnostics import warn_once
-from .driver import dynamic, step_choice
+from .driver import step_choice
+from .driver.engine import ENGINE
 from .frontend import fast, inference
 from .frontend.lazy_tensor import RECORDER, LazyTensor, to_lazy
 from .frontend.symbolic import release_factory_mode
@@ -65,7 +66,7 @@ def _pre_hook(device: torch.device):
                     return None     # (the common case, at the cost of an empty hook: a few µs a step)
             moved = _moved(args, device), _moved(kwargs, device)
             return None if moved[0] is args and moved[1] is kwargs else moved
-        dynamic.enter_scope(module)     # the step is this model's, unless another's forward began it
+        ENGINE.enter_scope(module)      # the step is this model's, unless another's forward began it
         inference.use_for_forward()     # F.linear and matmul recorded whole where no grad is recorded
         fast.arm(module._pydisc_fast_record, device, module)  # a forward with grad recorded at __torch_function__
         release_factory_mode()          # (no dispatch is under way here)

@@ -31,7 +31,7 @@ from ..frontend.symbolic import SymExpr
 from ..frontend.trace import RealRef, ScalarRef, Trace, ValueRef
 from .engine import ENGINE
 
-__all__ = ["mark_dynamic", "Template", "Binding", "clear", "enter_scope"]
+__all__ = ["mark_dynamic", "Template", "Binding", "clear"]
 
 
 def mark_dynamic(t: torch.Tensor, dim: int | list[int] | tuple[int, ...]) -> torch.Tensor:
@@ -58,14 +58,6 @@ def clear() -> None:
 
 def _pattern(key, real: torch.Tensor, dims) -> tuple:
     return (key, real.dim(), tuple(sorted(d for d in dims if d < real.dim() and real.shape[d] >= 2)))
-
-
-def enter_scope(module: torch.nn.Module) -> None:
-    """A lazy module's forward begins: unless the step has its model already, it is `module`'s, and so
-    are the dims flagged dynamic, the pins and templates its steps use (`Engine.dynamic`). A step that
-    no lazy module's forward begins (`pydisc.to_lazy` alone, HF generate()'s code between two calls of
-    the model) is the model's of the step before."""
-    ENGINE.enter_scope(module)
 
 
 def dims_of(ordinal: int, real: torch.Tensor) -> tuple:

@@ -174,8 +174,10 @@ class Engine:
         return state
 
     def enter_scope(self, module) -> None:
-        """The step under way is `module`'s (a lazy module's forward begins), unless a module entered
-        before in this step made it that module's. Steps that enter none keep the last step's model."""
+        """A lazy module's forward begins: unless the step has its model already, it is `module`'s, and so
+        are the dims flagged dynamic, the pins and templates its steps use (`dynamic`). A step that no
+        lazy module's forward begins (`pydisc.to_lazy` alone, HF generate()'s code between two calls of
+        the model) is the model's of the step before."""
         if self._scope_step != RECORDER.step_id:
             self._scope_step = RECORDER.step_id
             self._scope = weakref.ref(module)     # (not kept alive by it)
