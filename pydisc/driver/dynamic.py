@@ -23,6 +23,7 @@ import torch
 
 from ..config import CONFIG
 from ..frontend.fast import set_gate as set_fast_gate
+from ..frontend.layout import flat_base
 from ..frontend.lazy_tensor import RECORDER
 from ..frontend.tensor import LazyTensor
 from ..frontend.op_facts import opinfo
@@ -93,12 +94,15 @@ def _dynamic_dims(key, real: torch.Tensor) -> tuple:
 
 
 def _fast_gate() -> bool:
-    """Whether the fast recorder may record this step: a step recorded at __torch_function__ cannot be
-    matched to a template, so none while the model's dims are dynamic; nor a step whose inputs so far
-    have other sizes than the step before's: the dispatcher records it and its changed dims are found
-    (and the step choice's probe times the recording that the steps to come will have)."""
-    if ENGINE.dynamic.flagged:
-        return False
+    """Whether the fast recorder may record this step. Where the model has dynamic dims, once it has a
+    template (which only the dispatcher records, symbolically: a step it does not cover is recorded so),
+    unless its fast steps failed to match (`fast_match.py`) or a carried tensor (a KV cache) has
+    dynamic dims. Otherwise not a step whose inputs so far have other sizes than the step before's: the
+    dispatcher records it and its changed dims are found (and the step choice's probe times the
+    recording that the steps to come will have)."""
+    state = ENGINE.dynamic
+    if state.flagged:
+        return bool(state.templates) and not state.fast_refused and RECORDER.carried_dims is None
     shapes, last = RECORDER.input_shapes, RECORDER.last_input_shapes
     return not (CONFIG.dynamic and last and shapes != last[:len(shapes)])
 
@@ -134,19 +138,43 @@ class Binding:
 
     template: Template
     view_sizes: dict                 # template storage index -> concrete size of the viewed input
-    storage_order: list              # template storage index -> concrete one (None: not read)
-    real_order: list                 # template real index -> concrete real index
+    storage_order: list              # template storage index -> concrete one (None: not read; fast_match.py:
+                                     # or a source)
+    real_order: list                 # template real index -> concrete real index (fast_match.py: or a source)
     perm: list                       # concrete output k -> template output index
     sizes: dict                      # symbol -> value (for reports)
+    # a fast-recorded step's (fast_match.py): per template scalar, (the step's scalar index, or None for
+    # a constant of its structure, and the value it had)
+    scalar_map: list | None = None
+
+    def scalar_values(self, trace: Trace) -> list[float]:
+        return [value if i is None else trace.scalars[i] for i, value in self.scalar_map]
 
     def inputs(self, trace: Trace, scalars: torch.Tensor | None) -> list:
-        storages = trace.storage_inputs
-        out = [None if j is None else storages[j].view(self.view_sizes[i]) if i in self.view_sizes else storages[j]
-               for i, j in enumerate(self.storage_order)]
-        out += [trace.real_inputs[j] for j in self.real_order]
+        out = [None if j is None else _storage(j, trace).view(self.view_sizes[i]) if i in self.view_sizes
+               else _storage(j, trace) for i, j in enumerate(self.storage_order)]
+        out += [trace.real_inputs[j] if type(j) is int else _derived(j, trace) for j in self.real_order]
         if scalars is not None:
             out.append(scalars)
         return out
+
+
+def _storage(source, trace: Trace) -> torch.Tensor:
+    """An input storage's data: the step's own, or for a fast-recorded step's binding (fast_match.py), the
+    memory of a value its forward computed for a read."""
+    if type(source) is int:
+        return trace.storage_inputs[source]
+    _, entry, fid = source
+    return flat_base(trace.entries[entry].fn.evaluated[fid])
+
+
+def _derived(source: tuple, trace: Trace) -> torch.Tensor:
+    """An eager input of a fast-recorded step's binding (fast_match.py) that is not one of its own."""
+    if source[0] == "const":
+        return source[1]
+    _, index, size, stride, offset = source
+    base = trace.real_inputs[index]
+    return base.as_strided(size, stride, base.storage_offset() + offset)
 
 
 def _as_meta(x):

@@ -41,6 +41,8 @@ class DynamicState:
     misses: int = 0                                  # steps in a row that matched no template
     blocked: set = field(default_factory=set)        # (input, dim) that guards pinned: static
     last_mismatch: str = ""                          # why the last step matched no template
+    fast_misses: int = 0                             # fast-recorded steps in a row no template took
+    fast_refused: bool = False                       # ... too many: the dispatcher records (fast_match.py)
 
 
 class ChoiceState:

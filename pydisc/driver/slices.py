@@ -56,15 +56,19 @@ def needed_entries(trace: Trace, storage: LazyStorage) -> list[int]:
         forced |= new_forced
 
 
-def observable_entries(trace: Trace) -> list[int]:
+def observable_entries(trace: Trace, held: set[int] | None = None) -> list[int]:
     """Entries whose effect can still be seen, in program order: they make or write (directly or through
-    later entries) a storage that a live lazy tensor or an input of the step holds. The others made
-    only tensors that have died since, and running them would compute values nobody can read."""
+    later entries) a storage that a live lazy tensor (or, given `held`, one of those storage ids) or an
+    input of the step holds. The others made only tensors that have died since, and running them would
+    compute values nobody can read."""
     roots = {id(s) for s in trace.input_storages}
-    for ref in trace.tensors.values():
-        t = ref()
-        if t is not None:
-            roots.add(id(t._storage))
+    if held is not None:
+        roots |= held
+    else:
+        for ref in trace.tensors.values():
+            t = ref()
+            if t is not None:
+                roots.add(id(t._storage))
     needed = roots
     keep = []
     storages = trace.storages

@@ -24,7 +24,7 @@ from ..frontend.tensor import StrictModeError
 from ..frontend.replay import NotDynamic, Program, concrete_program, program_from_trace, symbolic_program
 from ..frontend.trace import Trace
 from ..metrics import METRICS
-from . import background, dynamic, inflight, optimizer_state, step_choice, template_match
+from . import background, dynamic, fast_match, inflight, optimizer_state, step_choice, template_match
 from .dynamic import Binding
 from .bind import bind, input_versions, own_writes
 from .engine import ENGINE
@@ -207,6 +207,8 @@ def _run(trace: Trace, target: LazyTensor | None, defer: bool = False) -> tuple:
                 if binding is None:   # eagerly, this once
                     plan = StepPlan(program_from_trace(trace, executed, outputs))
             if binding is not None:
+                if binding.scalar_map is not None:     # a fast-recorded step's (fast_match.py)
+                    scalars = _scalars(binding.scalar_values(trace), device) if binding.scalar_map else None
                 call_inputs, perm = binding.inputs(trace, scalars), binding.perm
                 binding.template.steps += 1
                 plan = binding.template.plan
@@ -416,10 +418,17 @@ def _plan_concrete(trace: Trace, key: tuple, executed: list[int], outputs: tuple
     (`PYDISC_COMPILE_AFTER`)."""
     ops = (tuple(_ops_of(sig) for sig in key[3]), _model_of(trace))
     if CONFIG.dynamic and ENGINE.dynamic.templates:
-        for template in ENGINE.dynamic.templates:
-            binding = template_match.match_template(template, trace, executed, outputs)
+        if trace.fused:
+            bindings = [fast_match.match_fast(trace, executed, outputs)]
+            if bindings[0] is None:
+                fast_match.note_miss()
+        else:
+            bindings = (template_match.match_template(template, trace, executed, outputs)
+                        for template in ENGINE.dynamic.templates)
+        for binding in bindings:
             if binding is not None:
                 ENGINE.dynamic.misses = 0
+                ENGINE.dynamic.fast_misses = 0
                 log("recompiles", "step matches a dynamic-shape plan with sizes %s", binding.sizes)
                 METRICS.dynamic_matches += 1
                 ENGINE.plans[key] = binding

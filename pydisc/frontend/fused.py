@@ -9,11 +9,12 @@ planned (inside `torch.func.functionalize`) and by `torch.autograd.grad` when it
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["FV", "XV", "Demote", "NoMeta", "FusedStep", "decode"]
+__all__ = ["FV", "XV", "Demote", "NoMeta", "FusedStep", "autograd_dispatched", "decode"]
 
 _autocast = torch._C._is_any_autocast_enabled
 _excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
@@ -127,16 +128,25 @@ class FusedStep:
         self.leaves = leaves
         self.loss = loss
         self.outputs = outputs
+        # fid -> its value, computed by torch for a read before the forward's end (`Segment.evaluate`)
+        self.evaluated: dict[int, torch.Tensor] = {}
 
     def __repr__(self) -> str:
         return "pydisc.fused_step"
 
-    def forward(self, inputs: list) -> dict:
+    def forward(self, inputs: list, on_call: Callable[[int], None] | None = None, given: dict | None = None) -> dict:
+        """Run the calls on `inputs`: {fast value id: its tensor}. `on_call(k)` before the k-th call;
+        `given`: values to take as they are, {fid: tensor}, in place of the calls that make them."""
         env: dict[int, torch.Tensor] = {}
         device_type = self.device_type
         with contextlib.ExitStack() as stack:
             amp_now = _amp(device_type)
-            for func, args, kwargs, out_fids, (grad, amp), out_leaves in self.entries:
+            for k, (func, args, kwargs, out_fids, (grad, amp), out_leaves) in enumerate(self.entries):
+                if on_call is not None:
+                    on_call(k)
+                if given and out_fids and all(f in given for f in out_fids):
+                    env.update((f, given[f]) for f in out_fids)
+                    continue
                 if amp != amp_now:
                     # the autocast state the call was recorded under (consecutive calls share one region,
                     # so its cast of a weight is made once there, as in eager)
@@ -171,7 +181,7 @@ class FusedStep:
             return _distinct([*[g.contiguous() for g in grads], *values])
         # replayed eagerly: autograd itself, as eager's backward (torch.func.vjp fails on a few programs
         # autograd runs: HF T5's attention under bf16 autocast on the CPU)
-        with torch.enable_grad(), _autograd_dispatched():
+        with torch.enable_grad(), autograd_dispatched():
             values = list(inputs)
             params = []
             for i in leaves:
@@ -197,7 +207,7 @@ def _distinct(outputs: list) -> list:
 
 
 @contextlib.contextmanager
-def _autograd_dispatched():
+def autograd_dispatched():
     """Autograd in the dispatch again where torch excluded it: a value read before mark_step runs the
     pending step from inside the read op's `__torch_dispatch__`, and there no op records a graph."""
     excluded = [k for k in _AUTOGRAD_KEYS if _excluded(k)]

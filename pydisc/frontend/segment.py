@@ -67,6 +67,7 @@ class Segment:
         self.ext_lays: list = []            # input index -> its part of a call's key (None: an eager tensor)
         self.started = time.perf_counter()
         self.meta_seconds = 0.0
+        self.evaluated: dict = {}           # fid -> its value, computed for a read before the segment's end
         self.armed_by = None                # (module, its training mode) whose forward opened it (fast.arm)
         if CONFIG.gc_pause and gc.isenabled() and not RECORDER.gc_paused:
             # as for a step recorded by the dispatcher (Recorder.dispatch): no cyclic GC while it records,
@@ -316,6 +317,7 @@ class Segment:
         METRICS.materializations += 1
         METRICS.materialization_sources[user_source(3) or "?"] += 1
         METRICS.fast_reads += 1
+        self.evaluated.update(env)
         return env
 
     def read_call(self, func, enc_args, enc_kwargs, slots, reason: str):
@@ -440,6 +442,7 @@ class Segment:
                 out_vids.append(t._vid)
             fused = FusedStep(tuple(self.entries), len(self.externals), leaves,
                               loss._fid if loss is not None else None, tuple(value_fids), self.device.type)
+            fused.evaluated = self.evaluated
             trace.entries.append(Entry(fused, enc_args, {}, tuple(out_vids), list, tuple(reads), (),
                                        tuple(sig), user_source(4)))
             trace.fused += 1

@@ -1,0 +1,329 @@
+"""Steps recorded at `__torch_function__` served by dynamic-shape templates.
+
+A template is recorded once by the dispatcher, with symbolic sizes, and later steps are matched to it
+entry by entry (dynamic.py, template_match.py). A step the fast recorder made (frontend/fast.py) holds
+its forward and backward as one `FusedStep` entry, which no entry of a template matches. So when such a
+step's structure is new (its plan-cache key missed), its ATen-level form is recorded once (`_expand`):
+the fused entry's calls run again through the dispatcher on lazy tensors over the same storages, with
+autograd, and its backward with `torch.autograd.backward`, as the dispatcher records a user's
+`loss.backward()`; the entries around it (the optimizer's) are dispatched again. That is recording
+only: no device data is read or written, no random number drawn, and the recorder's state is put back
+afterwards. The binding the ATen-level trace gets from a template is then restated in the fast step's
+terms (its input storages, eager tensors, lifted scalars and outputs) and cached under the fast step's
+key, so later steps of that structure cost one lookup, as any other.
+
+Where the ATen-level form cannot be recorded, or no template takes it, the step goes on as a
+dispatcher-recorded step that matched none (step.py); after `GIVE_UP_AFTER` such steps in a row the
+model's steps are recorded by the dispatcher from then on (`DynamicState.fast_refused`).
+"""
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..frontend.foreach import SplitForeach
+from ..frontend.fused import XV, FusedStep, autograd_dispatched
+from ..frontend.layout import flat_base, view_of_base
+from ..frontend.lazy_tensor import RECORDER, LazyTensor
+from ..frontend.trace import LazyStorage, RealRef, ScalarRef, Trace, ValueRef
+from ..metrics import METRICS
+from .dynamic import Binding
+from .engine import ENGINE
+from .slices import observable_entries
+from .template_match import match_template
+
+__all__ = ["match_fast", "GIVE_UP_AFTER"]
+
+# Fast steps in a row that no template took, after which the model's steps are recorded by the dispatcher.
+GIVE_UP_AFTER = 2
+
+# The epoch of an expansion's trace: no real trace has it (theirs count up from 0; -1 is a storage's "none")
+_EPOCH = -2
+
+
+class _Unexpandable(Exception):
+    pass
+
+
+@dataclass
+class _Expansion:
+    trace: Trace            # the ATen-level trace
+    outputs: tuple          # the fast step's outputs in its terms, in the fast step's order
+    storage_of: dict        # its input storage index -> the fast step's
+    real_of: dict           # its eager input index -> the fast step's
+    scalar_of: list         # per lifted scalar: the fast step's index, or None (a constant of the fast step's key)
+    needed: list            # its entries that make or write what the outputs or the inputs hold
+
+
+def match_fast(trace: Trace, executed: list[int], outputs: tuple) -> Binding | None:
+    """A binding of the fast-recorded step to one of the model's templates, in the fast step's terms;
+    None where there is none (the reason in `ENGINE.dynamic.last_mismatch`)."""
+    state = ENGINE.dynamic
+    if len(executed) != len(trace.entries) or trace.partly_run:
+        return None
+    try:
+        x = _expand(trace, outputs)
+    except Exception as exc:     # noqa: BLE001 - any failure only means this path does not apply
+        state.last_mismatch = "the fast step's ATen-level form could not be recorded (%s: %s)" % (
+            type(exc).__name__, exc)
+        return None
+    # all of it, as the dispatcher records; then without what nothing reads (`mask.all()`, computed for a
+    # read: the dispatcher's read ran it and took it out of the trace)
+    for steps in (list(range(len(x.trace.entries))), x.needed):
+        for template in state.templates:
+            binding = match_template(template, x.trace, steps, x.outputs)
+            if binding is not None:
+                return _restated(binding, x)
+    return None
+
+
+def note_miss() -> None:
+    """A fast step that a model with templates could not match: after `GIVE_UP_AFTER` in a row, its steps
+    are recorded by the dispatcher, which matches them as before."""
+    state = ENGINE.dynamic
+    state.fast_misses += 1
+    if state.fast_misses >= GIVE_UP_AFTER:
+        _refuse("dynamic shapes: no template takes the fast step")
+
+
+def _refuse(reason: str) -> None:
+    state = ENGINE.dynamic
+    if not state.fast_refused:
+        state.fast_refused = True
+        METRICS.fast_demotions[reason] += 1
+
+
+def _restated(binding: Binding, x: _Expansion) -> Binding:
+    return Binding(binding.template, binding.view_sizes,
+                   [None if j is None else x.storage_of[j] for j in binding.storage_order],
+                   [x.real_of[j] for j in binding.real_order], binding.perm, binding.sizes,
+                   scalar_map=[(i, value) for i, value in zip(x.scalar_of, x.trace.scalars)])
+
+
+def _no_reads(t, reason: str) -> None:
+    raise _Unexpandable("it reads device data (%s)" % reason)
+
+
+def _expand(trace: Trace, outputs: tuple) -> _Expansion:
+    rec = RECORDER
+    x = Trace(epoch=_EPOCH)
+    storages = list(trace.input_storages)
+    saved_fields = [(s.epoch, s.creator, s.written, s.input_index) for s in storages]
+    saved = (rec.trace, rec.trace_started, rec.meta_seconds, rec.prune_at, rec.carried_dims, rec.capture_sources,
+             rec.executor, rec.gc_paused, gc.isenabled(), METRICS.recorded_ops)
+    rec.trace, rec.prune_at, rec.carried_dims, rec.capture_sources, rec.executor = x, 1 << 62, None, False, _no_reads
+    try:
+        with torch._C.DisableTorchFunctionSubclass():
+            env, scalar_of, made, read = _replay(trace, x)
+        x_index = {id(s): j for j, s in enumerate(x.input_storages)}
+        fast_index = {id(s): i for i, s in enumerate(storages)}
+        storage_of = {}
+        for j, s in enumerate(x.input_storages):
+            source = fast_index.get(id(s), read.get(id(s)))
+            if source is None:
+                raise _Unexpandable("an input storage the fast step does not read")
+            storage_of[j] = source
+        budget = [CONSTANT_BYTES]
+        real_of = {j: _real_source(trace, t, made, budget) for j, t in enumerate(x.real_inputs)}
+        x_outputs = _outputs(trace, outputs, x, env, x_index)
+        needed = observable_entries(x, {id(x.storages[v]) for kind, v in x_outputs if kind == "value"})
+    finally:
+        for s, (epoch, creator, written, index) in zip(storages, saved_fields):
+            s.epoch, s.creator, s.written, s.input_index = epoch, creator, written, index
+        (rec.trace, rec.trace_started, rec.meta_seconds, rec.prune_at, rec.carried_dims, rec.capture_sources,
+         rec.executor, rec.gc_paused, enabled, METRICS.recorded_ops) = saved
+        if enabled and not gc.isenabled():
+            gc.enable()
+    return _Expansion(x, x_outputs, storage_of, real_of, scalar_of, needed)
+
+
+def _real_source(trace: Trace, t: torch.Tensor, made: dict, budget: list):
+    """What the fast step passes for an eager tensor `t` of the ATen-level trace: its own eager input (the
+    same tensor); a view of one that torch took inside a call (per step, of that step's tensor); or `t`
+    itself, a constant of the fast step's structure, where torch made it inside a call from what the
+    step's key holds: from lazy tensors' sizes and Python values alone (a call without eager tensor
+    arguments: a causal mask), or a Python number wrapped as a tensor (`masked_fill(mask, -inf)`). A
+    single number made in the backward is one too where the step has no single-number eager input (of
+    whose value it could be made: `x ** t`'s gradient takes `t - 1`). `budget`: bytes left for constants."""
+    i = trace.real_index.get(id(t))
+    if i is not None:
+        return i
+    ptr = t.untyped_storage().data_ptr()
+    for i, r in enumerate(trace.real_inputs):
+        if ptr and r.untyped_storage().data_ptr() == ptr and r.dtype == t.dtype:
+            return ("view", i, tuple(t.shape), t.stride(), t.storage_offset() - r.storage_offset())
+    call = made.get(id(t))
+    if call is not None:
+        eager_args, numbers = call
+        constant = not eager_args or (t.numel() == 1 and t.item() in numbers)
+    else:       # made in the backward: from a backward formula's numbers, or from an eager scalar's value
+        constant = t.numel() == 1 and not any(r.numel() == 1 for r in trace.real_inputs)
+    nbytes = t.numel() * t.element_size()
+    if not constant or nbytes > budget[0]:
+        raise _Unexpandable("an eager tensor of shape %s that torch made inside a call from the step's "
+                            "eager inputs" % (tuple(t.shape),))
+    budget[0] -= nbytes
+    return ("const", t)
+
+
+# Bytes of eager tensors a fast step's binding may keep as constants of its structure (`_real_source`)
+CONSTANT_BYTES = 1 << 20
+
+
+def _outputs(trace: Trace, outputs: tuple, x: Trace, env: dict, x_index: dict) -> tuple:
+    """The fast step's outputs as values and written storages of the ATen-level trace `x`."""
+    written = set()
+    for e in x.entries:
+        for s in e.writes:
+            if s.epoch == x.epoch and s.input_index >= 0:
+                written.add(s.input_index)
+    out = []
+    for kind, index in outputs:
+        if kind == "base":
+            j = x_index.get(id(trace.input_storages[index]))
+            if j is None or j not in written:
+                raise _Unexpandable("a written input")
+            out.append(("base", j))
+            continue
+        t = env.get(index)
+        storage = t._storage if type(t) is LazyTensor else None
+        if storage is None or storage.epoch != x.epoch or storage.creator is None:
+            raise _Unexpandable("an output")
+        out.append(("value", storage.creator))
+    if len(set(out)) != len(out) or written != {j for kind, j in out if kind == "base"}:
+        raise _Unexpandable("the outputs")
+    return tuple(out)
+
+
+def _replay(trace: Trace, x: Trace) -> tuple[dict, list, dict, dict]:
+    """Dispatch `trace`'s entries again, into `x` (the recorder's trace now): {fast value id: the lazy
+    tensor of `x` that stands for it}; per scalar of `x` the fast step's index (None: a constant); for
+    the eager tensors `x` reads that torch made inside a fused call, {id: (whether the call had eager
+    tensor arguments, the Python numbers among them)}; and for the storages of the values a fused
+    forward computed for a read, {id: ("read", its entry, a value of it)}."""
+    env: dict[int, LazyTensor] = {}
+    leaves = set()      # values the fused forward differentiates: leaves that require grad, as parameters are
+    for e in trace.entries:
+        if type(e.fn) is FusedStep:
+            leaves.update(e.args[i].vid for i in e.fn.leaves if type(e.args[i]) is ValueRef)
+
+    def value(vid: int) -> LazyTensor:
+        t = env.get(vid)
+        if t is None:
+            kind = trace.values[vid]
+            if kind[0] != "in":
+                raise _Unexpandable("a value no entry made")
+            real = trace.storage_inputs[kind[1]]
+            size, stride, offset = kind[2]
+            t = env[vid] = LazyTensor(size, stride, offset, trace.metas[vid][3], real.device,
+                                      trace.input_storages[kind[1]], real=view_of_base(real, size, stride, offset),
+                                      requires_grad=vid in leaves)
+        return t
+
+    scalar_of: list = []
+    made: dict = {}
+    read: dict = {}
+
+    def decode(a, refs: list):
+        kind = type(a)
+        if kind is ValueRef:
+            return value(a.vid)
+        if kind is RealRef:
+            return trace.real_inputs[a.index]
+        if kind is ScalarRef:
+            refs.append(a.index)
+            return trace.scalars[a.index]
+        if kind is list or kind is tuple:
+            return kind(decode(v, refs) for v in a)
+        return a
+
+    for index, e in enumerate(trace.entries):
+        before = len(x.scalars)
+        refs: list = []
+        args = [decode(a, refs) for a in e.args]
+        kwargs = {k: decode(v, refs) for k, v in e.kwargs.items()}
+        if type(e.fn) is FusedStep:
+            out = _fused(e.fn, args, x, made, _read_values(e.fn.evaluated, index, read))
+            scalar_of += [None] * (len(x.scalars) - before)    # Python floats of its calls: in its key
+            if refs:
+                raise _Unexpandable("a lifted scalar read by a fused forward")
+        else:
+            fn = e.fn.func if type(e.fn) is SplitForeach else e.fn
+            if not isinstance(fn, torch._ops.OpOverload):
+                raise _Unexpandable("an entry of %s" % e.fn)
+            with torch.no_grad():     # recorded below autograd (the optimizer's step, in place on parameters)
+                out = fn(*args, **kwargs)
+            # the floats it lifts again, in its arguments' order
+            if len(x.scalars) - before != len(refs) or \
+                    any(x.scalars[before + k] != trace.scalars[i] for k, i in enumerate(refs)):
+                raise _Unexpandable("the lifted scalars of %s" % fn)
+            scalar_of += refs
+        if e.out_kind is None:
+            if e.out_vids and e.out_vids[0] is not None:
+                env[e.out_vids[0]] = out
+        else:
+            for vid, o in zip(e.out_vids, out):
+                if vid is not None:
+                    env[vid] = o
+    return env, scalar_of, made, read
+
+
+def _read_values(evaluated: dict, index: int, read: dict) -> dict:
+    """The values a fused forward computed for a read, as lazy tensors holding that data: the dispatcher's
+    read ran the ops that make them, and the rest of its step reads them as inputs. One storage per
+    block of memory, as their views share one there; noted in `read`."""
+    storages: dict[int, LazyStorage] = {}
+    out = {}
+    for fid, t in evaluated.items():
+        ptr = t.untyped_storage().data_ptr()
+        storage = storages.get(ptr)
+        if storage is None:
+            storage = storages[ptr] = LazyStorage(t.untyped_storage().nbytes(), flat_base(t))
+            read[id(storage)] = ("read", index, fid)
+        out[fid] = LazyTensor(tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device, storage, real=t)
+    return out
+
+
+def _fused(fused: FusedStep, inputs: list, x: Trace, made: dict, given: dict) -> list:
+    """A fused forward and its backward, dispatched: the gradients of its leaves (in their `.grad`, by
+    `torch.autograd.backward`, as eager's backward leaves them), then the values alive at its end. Notes
+    in `made` the eager tensors torch made inside each call (`_real_source`). `given`: values computed
+    for a read, taken as they are."""
+    last = [len(x.real_inputs), None]
+
+    def note(k: int) -> None:
+        for t in x.real_inputs[last[0]:]:
+            made.setdefault(id(t), last[1])
+        last[0] = len(x.real_inputs)
+        if k < len(fused.entries):
+            _, args, kwargs, *_ = fused.entries[k]
+            leaves = pytree.tree_leaves((args, kwargs))
+            last[1] = (any(type(v) is XV and type(inputs[v.index]) is not LazyTensor for v in leaves),
+                       {v for v in leaves if type(v) in (int, float, bool)})
+
+    with autograd_dispatched():
+        env = fused.forward(inputs, note, given)
+        note(len(fused.entries))
+        if fused.loss is None:
+            return [env[f] for f in fused.outputs]
+        values = [env[f] for f in fused.outputs]
+        loss = env[fused.loss]
+        env = None      # the forward's other values die with the graph, as in eager
+        if loss.device.type == "cpu":
+            torch.autograd.backward(loss)
+        else:
+            # autograd runs the backward of a GPU tensor on a thread of its own, which records through the
+            # recorder's lock: held here (by mark_step), it is let go of meanwhile
+            lock = RECORDER.lock
+            state = lock._release_save()
+            try:
+                torch.autograd.backward(loss)
+            finally:
+                lock._acquire_restore(state)
+    grads = [inputs[i].grad for i in fused.leaves]
+    if any(type(g) is not LazyTensor for g in grads):
+        raise _Unexpandable("a parameter without a gradient")
+    return grads + values

@@ -1,0 +1,202 @@
+"""Steps recorded at `__torch_function__` served by dynamic-shape templates (pydisc/driver/fast_match.py).
+
+Each test trains a model under pydisc and a copy eagerly on batches whose length changes every step and
+compares every parameter; the counters say how many steps the fast recorder made (`fast_segments`) and
+how many a template served (`dynamic_matches`). Before fast_match.py, a model with dynamic dims was
+recorded op by op by the dispatcher from its first size change on: `fast_segments` stayed at 2.
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import pydisc
+from pydisc.driver.step import clear_plans
+
+LENGTHS = (8, 12, 16, 10, 14, 9, 11, 13, 15, 7, 12, 16)
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    clear_plans()
+    pydisc.reset_metrics()
+    yield
+    clear_plans()
+
+
+class Encoder(torch.nn.Module):
+    """Embeddings, one attention layer over a padding mask, a per-token classifier. `read_mask`: as HF's
+    mask code does, `mask.all()` is read in the forward (the mask is used only where it has padding);
+    `where_mask`: the scores are masked by `torch.where` on the mask (a uint8 eager mask when given)."""
+
+    def __init__(self, vocab: int = 13, dim: int = 16, read_mask: bool = False) -> None:
+        super().__init__()
+        self.tok = torch.nn.Embedding(vocab, dim)
+        self.qkv = torch.nn.Linear(dim, 3 * dim, bias=False)    # (a key bias's gradient is 0 plus rounding)
+        self.out = torch.nn.Linear(dim, vocab)
+        self.ln = torch.nn.LayerNorm(dim)
+        self.read_mask = read_mask
+
+    def forward(self, ids, mask):
+        x = self.tok(ids)
+        q, k, v = self.qkv(self.ln(x)).chunk(3, dim=-1)
+        scores = (q @ k.transpose(1, 2)) * 0.25
+        if not self.read_mask or not bool(mask.all()):
+            scores = torch.where(mask[:, None, :].bool(), scores, float("-inf"))
+        x = x + scores.softmax(-1) @ v
+        return self.out(x)
+
+
+def _batches(lengths, batch: int = 3, vocab: int = 13, padded: bool = True):
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for n, t in enumerate(lengths):
+        ids = torch.randint(0, vocab, (batch, t), generator=g)
+        mask = torch.ones(batch, t, dtype=torch.long)
+        if padded:
+            mask[n % batch, t // 2:] = 0
+        out.append((ids, mask, torch.randint(0, vocab, (batch, t), generator=g)))
+    return out
+
+
+def _train(model, batches, make_opt=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), schedule=None,
+           accumulate: bool = False):
+    """Train `model` under pydisc and a copy eagerly (inputs through the lazy module, targets through
+    `to_lazy`), compare the parameters after every step; the metrics."""
+    ref = copy.deepcopy(model)
+    lazy = pydisc.lazy(model)
+    opts = [make_opt(m.parameters()) for m in (lazy, ref)]
+    scheds = [schedule(o) for o in opts] if schedule else []
+    for step, (ids, mask, y) in enumerate(batches):
+        for m, opt, target in ((lazy, opts[0], pydisc.to_lazy(y)), (ref, opts[1], y)):
+            logits = m(ids, mask)
+            F.cross_entropy(logits.flatten(0, 1), target.flatten()).backward()
+            if not accumulate or step % 2:
+                opt.step()
+                opt.zero_grad()
+        for s in scheds:
+            s.step()
+        pydisc.mark_step()
+        for (name, p), q in zip(lazy.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-4, atol=1e-5,
+                                       msg=lambda msg, name=name, step=step: "step %d, %s: %s" % (step, name, msg))
+    return pydisc.metrics()
+
+
+def _fast_and_matched(m, steps: int) -> None:
+    # step 1 is fast; 2 and 3 have new lengths (recorded by the dispatcher, which finds the changed dim;
+    # 3 runs eagerly); 4 is the template (recorded by the dispatcher, symbolically); then fast steps
+    assert m["dynamic_templates"] == 1, m["recompiles"]
+    assert m["dynamic_matches"] >= steps - 5, (m["dynamic_matches"], m["recompiles"])
+    assert m["fast_segments"] >= steps - 3, (m["fast_segments"], m["fast_demotions"])
+    assert not m["fast_demotions"], m["fast_demotions"]
+
+
+def test_steps_of_new_lengths_are_recorded_fast_and_run_the_template():
+    torch.manual_seed(0)
+    m = _train(Encoder(), _batches(LENGTHS))
+    _fast_and_matched(m, len(LENGTHS))
+    assert m["plans_compiled"] <= 3, m["plans_compiled"]
+
+
+def test_learning_rates_and_adams_corrections_follow_each_step():
+    """The optimizer's floats are lifted scalars of the fast step: the template's plan gets this step's
+    (a schedule changes the learning rate every step; Adam's bias corrections change by themselves)."""
+    torch.manual_seed(0)
+    m = _train(Encoder(), _batches(LENGTHS), make_opt=lambda p: torch.optim.AdamW(p, lr=0.01),
+               schedule=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)))
+    _fast_and_matched(m, len(LENGTHS))
+
+
+def test_a_value_read_in_the_forward_and_used_after_it():
+    """`if not mask.all():` then the mask: the dispatcher's read ran the ops that make the mask's bool form
+    and its template reads it as an input; a fast step passes the value its forward computed for the read."""
+    torch.manual_seed(0)
+    m = _train(Encoder(read_mask=True), _batches(LENGTHS))
+    _fast_and_matched(m, len(LENGTHS))
+    assert m["fast_reads"] >= len(LENGTHS) - 3
+
+
+def test_unpadded_batches_take_the_branch_without_the_mask():
+    torch.manual_seed(0)
+    m = _train(Encoder(read_mask=True), _batches(LENGTHS, padded=False))
+    _fast_and_matched(m, len(LENGTHS))
+
+
+def test_gradients_accumulated_over_two_backwards():
+    """`.grad` accumulated across steps (no zero_grad in between): whatever serves these steps, the
+    parameters are eager's."""
+    torch.manual_seed(0)
+    m = _train(Encoder(), _batches(LENGTHS), accumulate=True)
+    assert m["dynamic_templates"] <= 3, m["recompiles"]
+
+
+class Gathered(torch.nn.Module):
+    """Features picked by an eager index tensor of the step's data: `x[:, :, index]`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x, index):
+        return self.proj(x)[:, :, index].sum(-1)
+
+
+def test_an_eager_tensor_of_the_data_is_passed_anew_every_step():
+    """The index's values change every step at the same shape: a step served from the plan cache must use
+    its own index, never the one of the step that was matched first."""
+    torch.manual_seed(0)
+    model = Gathered()
+    ref = copy.deepcopy(model)
+    lazy = pydisc.lazy(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (lazy, ref)]
+    g = torch.Generator().manual_seed(0)
+    for step, t in enumerate((5, 7, 9, 6, 8, 7, 9, 6, 8, 7)):
+        x = torch.randn(2, t, 8, generator=g)
+        index = torch.randint(0, 8, (3,), generator=g)
+        y = torch.randn(2, t, generator=g)
+        for m, opt, target in ((lazy, opts[0], pydisc.to_lazy(y)), (ref, opts[1], y)):
+            F.mse_loss(m(x, index), target).backward()
+            opt.step()
+            opt.zero_grad()
+        pydisc.mark_step()
+        for p, q in zip(lazy.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1e-5, msg="step %d" % step)
+    m = pydisc.metrics()
+    assert m["dynamic_matches"] >= 4 and m["fast_segments"] >= 7, (m["dynamic_matches"], m["fast_segments"])
+
+
+def test_an_eager_scalar_whose_value_changes_every_step():
+    """`x ** e` with `e` an eager 0-d tensor of another value each step: its gradient takes `e - 1`, a
+    number torch computes inside the backward from `e`. Kept as a constant of the step's structure, a
+    later step of the same length would have used the first one's (step 8 differed from eager); the
+    fast step is not served by the template then, and the dispatcher's steps pass their own."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    ref = copy.deepcopy(model)
+    lazy = pydisc.lazy(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in (lazy, ref)]
+    g = torch.Generator().manual_seed(0)
+    for step, t in enumerate((5, 7, 9, 6, 8, 7, 9, 6, 8, 7)):
+        x = torch.randn(2, t, 8, generator=g)
+        exponent = torch.tensor(1.5 + 0.1 * step)
+        for m, opt in ((lazy, opts[0]), (ref, opts[1])):
+            (m(x).abs() + 1).pow(exponent).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        pydisc.mark_step()
+        for p, q in zip(lazy.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1e-5, msg="step %d" % step)
+
+
+def test_a_fast_step_no_template_takes_goes_back_to_the_dispatcher(monkeypatch):
+    """A fast step whose ATen-level form no template takes: it runs eagerly, and after two such steps the
+    model is recorded by the dispatcher again (counted in `fast_demotions`), its steps served as before."""
+    from pydisc.driver import fast_match
+
+    monkeypatch.setattr(fast_match, "match_template", lambda *args: None)
+    torch.manual_seed(0)
+    m = _train(Encoder(), _batches(LENGTHS))
+    assert m["fast_demotions"] == {"dynamic shapes: no template takes the fast step": 1}, m["fast_demotions"]
+    assert m["dynamic_matches"] >= len(LENGTHS) - 8, m["recompiles"]
