@@ -13,6 +13,7 @@ for `--steps` steps and the table reports, side by side from one run:
 * the largest relative difference of the loss from eager over the first 20 steps.
 
     python bench/dynamic_shapes.py                           # CPU, a small model
+    python bench/dynamic_shapes.py --modes eager,pydisc,"pydisc(dispatch)" --steps 200   # recording paths
     python bench/dynamic_shapes.py --device cuda --dim 256 --layers 4 --max-len 512 --max-batch 32
 """
 from __future__ import annotations
@@ -64,7 +65,8 @@ def run(mode: str, base: torch.nn.Module, data, device: torch.device, args) -> d
         from pydisc.driver.step import clear_plans
         clear_plans()
         pydisc.reset_metrics()
-        pydisc.lazy(model, device=device)
+        # pydisc(dispatch): every op through the dispatcher, as before fast recording served templates
+        pydisc.lazy(model, device=device, fast_record=False if mode == "pydisc(dispatch)" else None)
     elif mode.startswith("torch.compile"):
         dynamo = importlib.import_module("torch._dynamo")
         dynamo.reset()

@@ -94,20 +94,42 @@ def _dynamic_dims(key, real: torch.Tensor) -> tuple:
 
 
 def _fast_gate() -> bool:
-    """Whether the fast recorder may record this step. Where the model has dynamic dims, once it has a
+    """Whether the fast recorder may record this step. Where the model has dynamic dims: once it has a
     template (which only the dispatcher records, symbolically: a step it does not cover is recorded so),
-    unless its fast steps failed to match (`fast_match.py`) or a carried tensor (a KV cache) has
-    dynamic dims. Otherwise not a step whose inputs so far have other sizes than the step before's: the
-    dispatcher records it and its changed dims are found (and the step choice's probe times the
-    recording that the steps to come will have)."""
+    for inputs of sizes a step of it had before (`note_shapes`), unless its fast steps failed to match
+    (`fast_match.py`) or a carried tensor (a KV cache) has dynamic dims. A fast step of new sizes records
+    twice, itself and its ATen-level form, both working out the metadata of every op anew: sizes seen
+    once are likely to come again, and from then on their steps are a plan-cache hit. Otherwise not a
+    step whose inputs so far have other sizes than the step before's: the dispatcher records it and its
+    changed dims are found (and the step choice's probe times the recording that the steps to come will
+    have)."""
     state = ENGINE.dynamic
     if state.flagged:
-        return bool(state.templates) and not state.fast_refused and RECORDER.carried_dims is None
+        return bool(state.templates) and not state.fast_refused and RECORDER.carried_dims is None and \
+            tuple(RECORDER.input_shapes) in state.shapes_seen
     shapes, last = RECORDER.input_shapes, RECORDER.last_input_shapes
     return not (CONFIG.dynamic and last and shapes != last[:len(shapes)])
 
 
 set_fast_gate(_fast_gate)
+
+# Sizes of step inputs remembered per model, for `_fast_gate`: beyond this many, the oldest half goes.
+SHAPES_KEPT = 4096
+
+
+def note_shapes() -> None:
+    """At mark_step: the shapes of the step's inputs, and those of its first inputs (what a forward has
+    seen when its first call asks `_fast_gate`), for the model's dims that become dynamic later."""
+    if not CONFIG.dynamic:
+        return
+    state = ENGINE.dynamic
+    shapes = RECORDER.input_shapes
+    seen = state.shapes_seen
+    if len(seen) > SHAPES_KEPT:
+        for key in list(seen)[:len(seen) // 2]:
+            del seen[key]
+    for k in range(1, len(shapes) + 1):
+        seen[tuple(shapes[:k])] = None
 
 
 # --------------------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ class DynamicState:
     last_mismatch: str = ""                          # why the last step matched no template
     fast_misses: int = 0                             # fast-recorded steps in a row no template took
     fast_refused: bool = False                       # ... too many: the dispatcher records (fast_match.py)
+    shapes_seen: dict = field(default_factory=dict)  # step input shapes (and prefixes) seen, in order
 
 
 class ChoiceState:

@@ -100,6 +100,7 @@ def run_pending(target: LazyTensor | None = None, reason: str = "mark_step") -> 
                 raise out_of_memory_error(exc, trace) from exc
             raise
         if reason == "mark_step":
+            dynamic.note_shapes()
             RECORDER.end_step()
         elif not RECORDER.trace.entries and not torch.is_grad_enabled() and \
                 torch._C._current_graph_task_id() == -1:

@@ -75,15 +75,14 @@ def test_hf_model_with_a_new_length_every_step_compiles_once(name: str, compile_
     """DISC's own case: the sequence length changes every step and one executable serves them all,
     from the fifth step on (the first two steps are new graphs, the third shows the length change, the
     fourth is recorded with symbolic sizes). T5 divides its relative positions, computed from the length
-    alone, by a Python float; Llama's rotary embeddings slice the features (their gradient). Every step
-    but the second to the fourth (the dispatcher's, which find the changed dim and record the template)
-    is recorded at `__torch_function__` (driver/fast_match.py); BERT's and T5's forwards read `mask.all()`."""
+    alone, by a Python float; Llama's rotary embeddings slice the features (their gradient). The steps
+    of a length seen before, the last ten, are recorded at `__torch_function__` (driver/fast_match.py);
+    BERT's and T5's forwards read `mask.all()`."""
     run = hf_models.train_side_by_side(name, lengths=LENGTHS)
     hf_models.assert_trains_like_eager(run)
     m = run.metrics
     assert m["plans_compiled"] <= 2 and m["dynamic_templates"] == 1, (m["plans_compiled"], m["recompiles"])
-    assert m["fast_segments"] >= len(LENGTHS) - 3 and not m["fast_demotions"], (m["fast_segments"],
-                                                                                m["fast_demotions"])
+    assert m["fast_segments"] >= 10 and not m["fast_demotions"], (m["fast_segments"], m["fast_demotions"])
     assert run.compiled_share >= 0.8, (run.compiled_steps, m["recompiles"])
     allowed = {"aten.bernoulli.p"} if name == "gpt2_dropout" else set()     # dropout's mask, torch's generator
     assert set(m["fallback_ops"]) <= allowed, m["fallback_ops"]
