@@ -15,7 +15,8 @@ Causes (each counted in `metrics()["fast_demotions"]`, listed in docs/fast_recor
 random values before `mark_step`, data-dependent shapes, writes into tensors the forward did not make,
 `autograd.Function`s (so module backward hooks and reentrant checkpointing), tensor hooks, `backward`
 with arguments, `torch.autograd.grad`, functorch transforms, autocast of another device. Segments are
-not started under DDP, dynamic shapes or foreign dispatch modes.
+not started under DDP or foreign dispatch modes, nor where the step driver's gate says no (a model's
+dynamic-shape steps of input sizes not seen before: pydisc/driver/dynamic.py).
 """
 from __future__ import annotations
 

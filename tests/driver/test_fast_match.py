@@ -50,7 +50,7 @@ class Encoder(torch.nn.Module):
         return self.out(x)
 
 
-def _batches(lengths, batch: int = 3, vocab: int = 13, padded: bool = True):
+def _batches(lengths, batch: int = 3, vocab: int = 13, padded: bool = True, device: str = "cpu"):
     g = torch.Generator().manual_seed(0)
     out = []
     for n, t in enumerate(lengths):
@@ -58,7 +58,7 @@ def _batches(lengths, batch: int = 3, vocab: int = 13, padded: bool = True):
         mask = torch.ones(batch, t, dtype=torch.long)
         if padded:
             mask[n % batch, t // 2:] = 0
-        out.append((ids, mask, torch.randint(0, vocab, (batch, t), generator=g)))
+        out.append(tuple(x.to(device) for x in (ids, mask, torch.randint(0, vocab, (batch, t), generator=g))))
     return out
 
 
@@ -81,7 +81,7 @@ def _train(model, batches, make_opt=lambda p: torch.optim.SGD(p, lr=0.1, momentu
             s.step()
         pydisc.mark_step()
         for (name, p), q in zip(lazy.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-4, atol=1e-5,
+            torch.testing.assert_close(p.detach().cpu(), q.detach().cpu(), rtol=1e-4, atol=1e-5,
                                        msg=lambda msg, name=name, step=step: "step %d, %s: %s" % (step, name, msg))
     return pydisc.metrics()
 
@@ -101,6 +101,16 @@ def test_steps_of_new_lengths_are_recorded_fast_and_run_the_template():
     m = _train(Encoder(), _batches(LENGTHS))
     _fast_and_matched(m)
     assert m["plans_compiled"] <= 3, m["plans_compiled"]
+
+
+@pytest.mark.cuda
+def test_steps_of_new_lengths_are_recorded_fast_on_cuda():
+    """On a GPU autograd runs the ATen-level form's backward on a thread of its own, which records while
+    mark_step holds the recorder's lock (fast_match._fused lets go of it meanwhile)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    m = _train(Encoder(read_mask=True).cuda(), _batches(LENGTHS, device="cuda"))
+    _fast_and_matched(m)
 
 
 def test_learning_rates_and_adams_corrections_follow_each_step():
