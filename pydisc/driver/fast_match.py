@@ -7,10 +7,11 @@ step's structure is new (its plan-cache key missed), its ATen-level form is reco
 the fused entry's calls run again through the dispatcher on lazy tensors over the same storages, with
 autograd, and its backward with `torch.autograd.backward`, as the dispatcher records a user's
 `loss.backward()`; the entries around it (the optimizer's) are dispatched again. That is recording
-only: no device data is read or written, no random number drawn, and the recorder's state is put back
-afterwards. The binding the ATen-level trace gets from a template is then restated in the fast step's
-terms (its input storages, eager tensors, lifted scalars and outputs) and cached under the fast step's
-key, so later steps of that structure cost one lookup, as any other.
+only: reading device data raises (the step is then not served), as does drawing random numbers (torch's
+generators are put back), and the recorder's state and counters are put back afterwards. The binding
+the ATen-level trace gets from a template is then restated in the fast step's terms (its input storages,
+eager tensors, lifted scalars, values computed for reads, outputs) and cached under the fast step's key,
+so later steps of that structure cost one lookup, as any other.
 
 Where the ATen-level form cannot be recorded, or no template takes it, the step goes on as a
 dispatcher-recorded step that matched none (step.py); after `GIVE_UP_AFTER` such steps in a row the
@@ -19,6 +20,7 @@ model's steps are recorded by the dispatcher from then on (`DynamicState.fast_re
 from __future__ import annotations
 
 import gc
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +28,7 @@ from torch.utils import _pytree as pytree
 
 from ..frontend.foreach import SplitForeach
 from ..frontend.fused import XV, FusedStep, autograd_dispatched
-from ..frontend.layout import flat_base, view_of_base
+from ..frontend.layout import contiguous_strides, flat_base, numel, view_of_base
 from ..frontend.lazy_tensor import RECORDER, LazyTensor
 from ..frontend.trace import LazyStorage, RealRef, ScalarRef, Trace, ValueRef
 from ..metrics import METRICS
@@ -60,7 +62,8 @@ class _Expansion:
 
 def match_fast(trace: Trace, executed: list[int], outputs: tuple) -> Binding | None:
     """A binding of the fast-recorded step to one of the model's templates, in the fast step's terms;
-    None where there is none (the reason in `ENGINE.dynamic.last_mismatch`)."""
+    None where there is none (the reason in `ENGINE.dynamic.last_mismatch`). A step that a read ran in
+    part is not tried (nor would the dispatcher's steps of it match)."""
     state = ENGINE.dynamic
     if len(executed) != len(trace.entries) or trace.partly_run:
         return None
@@ -69,6 +72,7 @@ def match_fast(trace: Trace, executed: list[int], outputs: tuple) -> Binding | N
     except Exception as exc:     # noqa: BLE001 - any failure only means this path does not apply
         state.last_mismatch = "the fast step's ATen-level form could not be recorded (%s: %s)" % (
             type(exc).__name__, exc)
+        _missed()
         return None
     # all of it, as the dispatcher records; then without what nothing reads (`mask.all()`, computed for a
     # read: the dispatcher's read ran it and took it out of the trace)
@@ -76,11 +80,13 @@ def match_fast(trace: Trace, executed: list[int], outputs: tuple) -> Binding | N
         for template in state.templates:
             binding = match_template(template, x.trace, steps, x.outputs)
             if binding is not None:
+                state.fast_misses = 0
                 return _restated(binding, x)
+    _missed()
     return None
 
 
-def note_miss() -> None:
+def _missed() -> None:
     """A fast step that a model with templates could not match: after `GIVE_UP_AFTER` in a row, its steps
     are recorded by the dispatcher, which matches them as before."""
     state = ENGINE.dynamic
@@ -113,52 +119,107 @@ def _expand(trace: Trace, outputs: tuple) -> _Expansion:
     storages = list(trace.input_storages)
     saved_fields = [(s.epoch, s.creator, s.written, s.input_index) for s in storages]
     saved = (rec.trace, rec.trace_started, rec.meta_seconds, rec.prune_at, rec.carried_dims, rec.capture_sources,
-             rec.executor, rec.gc_paused, gc.isenabled(), METRICS.recorded_ops)
+             rec.executor, rec.gc_paused, gc.isenabled())
+    counters = _counters()
+    rng = _rng_states(trace)
     rec.trace, rec.prune_at, rec.carried_dims, rec.capture_sources, rec.executor = x, 1 << 62, None, False, _no_reads
     try:
         with torch._C.DisableTorchFunctionSubclass():
             env, scalar_of, made, read = _replay(trace, x)
+        if not _same_rng(rng, _rng_states(trace)):
+            # a call's Python code drew random numbers into an eager tensor (`F.fractional_max_pool2d`'s
+            # samples): drawn again here, which eager did not, and kept for later steps, which it must not
+            raise _Unexpandable("random numbers drawn while recording")
         x_index = {id(s): j for j, s in enumerate(x.input_storages)}
         fast_index = {id(s): i for i, s in enumerate(storages)}
         storage_of = {}
         for j, s in enumerate(x.input_storages):
-            source = fast_index.get(id(s), read.get(id(s)))
+            source = fast_index.get(id(s))
+            if source is None and id(s) in read:
+                source = read[id(s)][0]
             if source is None:
                 raise _Unexpandable("an input storage the fast step does not read")
             storage_of[j] = source
         budget = [CONSTANT_BYTES]
-        real_of = {j: _real_source(trace, t, made, budget) for j, t in enumerate(x.real_inputs)}
+        real_of = {j: _real_source(trace, t, x.real_versions[j], made, budget)
+                   for j, t in enumerate(x.real_inputs)}
         x_outputs = _outputs(trace, outputs, x, env, x_index)
         needed = observable_entries(x, {id(x.storages[v]) for kind, v in x_outputs if kind == "value"})
     finally:
         for s, (epoch, creator, written, index) in zip(storages, saved_fields):
             s.epoch, s.creator, s.written, s.input_index = epoch, creator, written, index
         (rec.trace, rec.trace_started, rec.meta_seconds, rec.prune_at, rec.carried_dims, rec.capture_sources,
-         rec.executor, rec.gc_paused, enabled, METRICS.recorded_ops) = saved
-        if enabled and not gc.isenabled():
-            gc.enable()
+         rec.executor, rec.gc_paused, enabled) = saved
+        if enabled != gc.isenabled():
+            (gc.enable if enabled else gc.disable)()
+        _restore_counters(counters)
+        _restore_rng(rng)
     return _Expansion(x, x_outputs, storage_of, real_of, scalar_of, needed)
 
 
-def _real_source(trace: Trace, t: torch.Tensor, made: dict, budget: list):
-    """What the fast step passes for an eager tensor `t` of the ATen-level trace: its own eager input (the
-    same tensor); a view of one that torch took inside a call (per step, of that step's tensor); or `t`
-    itself, a constant of the fast step's structure, where torch made it inside a call from what the
-    step's key holds: from lazy tensors' sizes and Python values alone (a call without eager tensor
-    arguments: a causal mask), or a Python number wrapped as a tensor (`masked_fill(mask, -inf)`). A
-    single number made in the backward is one too where the step has no single-number eager input (of
-    whose value it could be made: `x ** t`'s gradient takes `t - 1`). `budget`: bytes left for constants."""
+def _counters() -> tuple:
+    """What recording can count (`_restore_counters` puts it back): the expansion is not a step's."""
+    m = METRICS
+    return (m.recorded_ops, m.materializations, Counter(m.materialization_sources), Counter(m.fallback_ops),
+            dict(m.fallback_sources), {op: set(d) for op, d in m.fallback_dtypes.items()})
+
+
+def _restore_counters(saved: tuple) -> None:
+    m = METRICS
+    (m.recorded_ops, m.materializations, m.materialization_sources, m.fallback_ops, m.fallback_sources,
+     m.fallback_dtypes) = saved
+
+
+def _rng_states(trace: Trace) -> list:
+    """torch's generators the step's device draws from: the CPU's, and its GPU's."""
+    states = [(None, torch.get_rng_state())]
+    for s in trace.input_storages:
+        device = s.real.device if s.real is not None else None
+        if device is not None and device.type == "cuda":
+            states.append((device, torch.cuda.get_rng_state(device)))
+            break
+    return states
+
+
+def _same_rng(a: list, b: list) -> bool:
+    return all(torch.equal(x, y) for (_, x), (_, y) in zip(a, b))
+
+
+def _restore_rng(states: list) -> None:
+    for device, state in states:
+        if device is None:
+            if not torch.equal(torch.get_rng_state(), state):
+                torch.set_rng_state(state)
+        elif not torch.equal(torch.cuda.get_rng_state(device), state):
+            torch.cuda.set_rng_state(state, device)
+
+
+def _real_source(trace: Trace, t: torch.Tensor, version: int, made: dict, budget: list):
+    """What the fast step passes for an eager tensor `t` of the ATen-level trace (`version`: its version
+    when the trace took it): its own eager input (the same tensor); a view torch took of one inside a
+    call (per step, of that step's tensor); or `t` itself, a constant of the fast step's structure, where
+    torch made it inside a call from what the step's key holds: from lazy tensors' sizes and Python
+    values alone (a call without eager tensor arguments: a causal mask), or a Python number wrapped as a
+    tensor (`torch.where(mask, x, -inf)`: a single number equal to a float argument). A single number
+    made in the backward is one too where the step has no single-number eager input (of whose value it
+    could be made: `x ** t`'s gradient takes `t - 1`). `budget`: bytes left for constants."""
     i = trace.real_index.get(id(t))
     if i is not None:
         return i
-    ptr = t.untyped_storage().data_ptr()
-    for i, r in enumerate(trace.real_inputs):
-        if ptr and r.untyped_storage().data_ptr() == ptr and r.dtype == t.dtype:
-            return ("view", i, tuple(t.shape), t.stride(), t.storage_offset() - r.storage_offset())
     call = made.get(id(t))
+    eager_args = call[2] if call is not None else trace.real_inputs
+    bases = [r for r in eager_args if _within(t, r)]
+    if len(bases) == 1:
+        base = bases[0]
+        i = trace.real_index.get(id(base))
+        if i is None:
+            raise _Unexpandable("a view of an eager tensor the fast step does not read")
+        return ("view", i, tuple(t.shape), t.stride(), t.storage_offset() - base.storage_offset())
+    if bases or t._version != version:
+        raise _Unexpandable("an eager tensor torch made and then changed, or a view of several")
     if call is not None:
-        eager_args, numbers = call
-        constant = not eager_args or (t.numel() == 1 and t.item() in numbers)
+        _, numbers, eager_args = call
+        constant = not eager_args or (t.numel() == 1 and _is_number_of(t, numbers))
     else:       # made in the backward: from a backward formula's numbers, or from an eager scalar's value
         constant = t.numel() == 1 and not any(r.numel() == 1 for r in trace.real_inputs)
     nbytes = t.numel() * t.element_size()
@@ -167,6 +228,34 @@ def _real_source(trace: Trace, t: torch.Tensor, made: dict, budget: list):
                             "eager inputs" % (tuple(t.shape),))
     budget[0] -= nbytes
     return ("const", t)
+
+
+def _within(t: torch.Tensor, base: torch.Tensor) -> bool:
+    """Whether `t` views memory inside `base`'s (same storage, dtype, and extent)."""
+    if t.dtype != base.dtype or t.untyped_storage().data_ptr() != base.untyped_storage().data_ptr() or \
+            not t.untyped_storage().data_ptr() or t.numel() == 0:
+        return False
+    lo, hi = _extent(t)
+    base_lo, base_hi = _extent(base)
+    return base_lo <= lo and hi <= base_hi
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    lo = hi = t.storage_offset()
+    for size, stride in zip(t.shape, t.stride()):
+        if stride >= 0:
+            hi += (size - 1) * stride
+        else:
+            lo += (size - 1) * stride
+    return lo, hi
+
+
+def _is_number_of(t: torch.Tensor, numbers: set) -> bool:
+    """Whether the single number `t` holds is one of a call's float arguments (ints and bools are not
+    taken: `dim=1` equals too many numbers made from data)."""
+    value = t.item()
+    return t.is_floating_point() and any(type(n) is float and (n == value or n != n and value != value)
+                                         for n in numbers)
 
 
 # Bytes of eager tensors a fast step's binding may keep as constants of its structure (`_real_source`)
@@ -192,7 +281,16 @@ def _outputs(trace: Trace, outputs: tuple, x: Trace, env: dict, x_index: dict) -
         storage = t._storage if type(t) is LazyTensor else None
         if storage is None or storage.epoch != x.epoch or storage.creator is None:
             raise _Unexpandable("an output")
-        out.append(("value", storage.creator))
+        creator = storage.creator
+        if t._vid != creator or t._epoch != x.epoch:
+            # the value is a view of what a call made (`einsum`'s permuted product): binding copies the
+            # template's result into the value's layout as a reshape, which is that view only where both
+            # are contiguous and whole
+            size, stride, offset, _ = x.metas[creator]
+            if offset or t.storage_offset() or not t.is_contiguous() or t.numel() != numel(size) or \
+                    tuple(stride) != contiguous_strides(size):
+                raise _Unexpandable("an output that is a view of another value")
+        out.append(("value", creator))
     if len(set(out)) != len(out) or written != {j for kind, j in out if kind == "base"}:
         raise _Unexpandable("the outputs")
     return tuple(out)
@@ -203,7 +301,7 @@ def _replay(trace: Trace, x: Trace) -> tuple[dict, list, dict, dict]:
     tensor of `x` that stands for it}; per scalar of `x` the fast step's index (None: a constant); for
     the eager tensors `x` reads that torch made inside a fused call, {id: (whether the call had eager
     tensor arguments, the Python numbers among them)}; and for the storages of the values a fused
-    forward computed for a read, {id: ("read", its entry, a value of it)}."""
+    forward computed for a read, {id: (("read", its entry, a value of it), the storage)}."""
     env: dict[int, LazyTensor] = {}
     leaves = set()      # values the fused forward differentiates: leaves that require grad, as parameters are
     for e in trace.entries:
@@ -282,7 +380,7 @@ def _read_values(evaluated: dict, index: int, read: dict) -> dict:
         storage = storages.get(ptr)
         if storage is None:
             storage = storages[ptr] = LazyStorage(t.untyped_storage().nbytes(), flat_base(t))
-            read[id(storage)] = ("read", index, fid)
+            read[id(storage)] = (("read", index, fid), storage)     # (kept: ids of storages alive only)
         out[fid] = LazyTensor(tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device, storage, real=t)
     return out
 
@@ -301,11 +399,11 @@ def _fused(fused: FusedStep, inputs: list, x: Trace, made: dict, given: dict) ->
         if k < len(fused.entries):
             _, args, kwargs, *_ = fused.entries[k]
             leaves = pytree.tree_leaves((args, kwargs))
-            last[1] = (any(type(v) is XV and type(inputs[v.index]) is not LazyTensor for v in leaves),
-                       {v for v in leaves if type(v) in (int, float, bool)})
+            eager = [inputs[v.index] for v in leaves if type(v) is XV and type(inputs[v.index]) is not LazyTensor]
+            last[1] = (bool(eager), {v for v in leaves if type(v) is float}, eager)
 
     with autograd_dispatched():
-        env = fused.forward(inputs, note, given)
+        env = fused.forward(inputs, note, given, fused.read_upto)
         note(len(fused.entries))
         if fused.loss is None:
             return [env[f] for f in fused.outputs]
@@ -316,7 +414,9 @@ def _fused(fused: FusedStep, inputs: list, x: Trace, made: dict, given: dict) ->
             torch.autograd.backward(loss)
         else:
             # autograd runs the backward of a GPU tensor on a thread of its own, which records through the
-            # recorder's lock: held here (by mark_step), it is let go of meanwhile
+            # recorder's lock, held here (by mark_step or a read): let go of meanwhile. (A thread other than
+            # autograd's that recorded in that window would record into the expansion's trace: one step
+            # recorded from several threads on a GPU is not matched this way, docs/dynamic.md.)
             lock = RECORDER.lock
             state = lock._release_save()
             try:

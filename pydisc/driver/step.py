@@ -421,15 +421,12 @@ def _plan_concrete(trace: Trace, key: tuple, executed: list[int], outputs: tuple
     if CONFIG.dynamic and ENGINE.dynamic.templates:
         if trace.fused:
             bindings = [fast_match.match_fast(trace, executed, outputs)]
-            if bindings[0] is None:
-                fast_match.note_miss()
         else:
             bindings = (template_match.match_template(template, trace, executed, outputs)
                         for template in ENGINE.dynamic.templates)
         for binding in bindings:
             if binding is not None:
                 ENGINE.dynamic.misses = 0
-                ENGINE.dynamic.fast_misses = 0
                 log("recompiles", "step matches a dynamic-shape plan with sizes %s", binding.sizes)
                 METRICS.dynamic_matches += 1
                 ENGINE.plans[key] = binding

@@ -128,15 +128,19 @@ class FusedStep:
         self.leaves = leaves
         self.loss = loss
         self.outputs = outputs
-        # fid -> its value, computed by torch for a read before the forward's end (`Segment.evaluate`)
+        # fid -> its value, computed by torch for a read before the forward's end (`Segment.evaluate`), and
+        # how many calls were recorded at the last such read
         self.evaluated: dict[int, torch.Tensor] = {}
+        self.read_upto = 0
 
     def __repr__(self) -> str:
         return "pydisc.fused_step"
 
-    def forward(self, inputs: list, on_call: Callable[[int], None] | None = None, given: dict | None = None) -> dict:
+    def forward(self, inputs: list, on_call: Callable[[int], None] | None = None, given: dict | None = None,
+                given_before: int = 0) -> dict:
         """Run the calls on `inputs`: {fast value id: its tensor}. `on_call(k)` before the k-th call;
-        `given`: values to take as they are, {fid: tensor}, in place of the calls that make them."""
+        `given`: values to take as they are, {fid: tensor}, in place of the calls among the first
+        `given_before` that make only such values."""
         env: dict[int, torch.Tensor] = {}
         device_type = self.device_type
         with contextlib.ExitStack() as stack:
@@ -144,7 +148,7 @@ class FusedStep:
             for k, (func, args, kwargs, out_fids, (grad, amp), out_leaves) in enumerate(self.entries):
                 if on_call is not None:
                     on_call(k)
-                if given and out_fids and all(f in given for f in out_fids):
+                if k < given_before and out_fids and all(f in given for f in out_fids):
                     env.update((f, given[f]) for f in out_fids)
                     continue
                 if amp != amp_now:

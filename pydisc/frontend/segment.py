@@ -68,6 +68,7 @@ class Segment:
         self.started = time.perf_counter()
         self.meta_seconds = 0.0
         self.evaluated: dict = {}           # fid -> its value, computed for a read before the segment's end
+        self.read_upto = 0                  # calls recorded at the last such read
         self.armed_by = None                # (module, its training mode) whose forward opened it (fast.arm)
         if CONFIG.gc_pause and gc.isenabled() and not RECORDER.gc_paused:
             # as for a step recorded by the dispatcher (Recorder.dispatch): no cyclic GC while it records,
@@ -318,6 +319,7 @@ class Segment:
         METRICS.materialization_sources[user_source(3) or "?"] += 1
         METRICS.fast_reads += 1
         self.evaluated.update(env)
+        self.read_upto = len(self.entries)
         return env
 
     def read_call(self, func, enc_args, enc_kwargs, slots, reason: str):
@@ -414,8 +416,9 @@ class Segment:
                 rec.meta_seconds = 0.0
             rec.meta_seconds += self.meta_seconds
             epoch = trace.epoch
+            # (with the values computed for reads: a binding of a dynamic-shape step passes them, fast_match.py)
             sig: list = ["fused", tuple(self.sig), leaves, loss._fid if loss is not None else None,
-                         tuple(value_fids)]
+                         tuple(value_fids), tuple(self.evaluated), self.read_upto]
             reads: list = []
             enc_args = [rec.encode(x, sig, reads) for x in self.externals]
             kind = out_kind(len(trace.entries))
@@ -442,7 +445,7 @@ class Segment:
                 out_vids.append(t._vid)
             fused = FusedStep(tuple(self.entries), len(self.externals), leaves,
                               loss._fid if loss is not None else None, tuple(value_fids), self.device.type)
-            fused.evaluated = self.evaluated
+            fused.evaluated, fused.read_upto = self.evaluated, self.read_upto
             trace.entries.append(Entry(fused, enc_args, {}, tuple(out_vids), list, tuple(reads), (),
                                        tuple(sig), user_source(4)))
             trace.fused += 1

@@ -203,6 +203,82 @@ def test_an_eager_scalar_whose_value_changes_every_step():
             torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1e-5, msg="step %d" % step)
 
 
+class Einsum(torch.nn.Module):
+    """Logits from `einsum`, which returns a permuted view of the product it computes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 24)
+
+    def forward(self, x):
+        h = self.proj(x).unflatten(-1, (4, 6))                      # (b, t, 4, 6)
+        return torch.einsum("bthd,bshd->bths", h, h)               # a view of a (b, t, h, s)-ordered product
+
+
+def test_a_value_kept_that_is_a_view_of_what_a_call_made():
+    """The logits the loop keeps past mark_step are a view of what `einsum` made: the template's plan
+    returns that product, whose layout differs. Before, binding copied it into the logits' layout as if it
+    were a reshape, and the kept logits of every matched step differed from eager's; now such a step is
+    not served (the model goes back to the dispatcher)."""
+    torch.manual_seed(0)
+    model = Einsum()
+    ref = copy.deepcopy(model)
+    lazy = pydisc.lazy(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (lazy, ref)]
+    g = torch.Generator().manual_seed(0)
+    for step, t in enumerate((5, 7, 9, 6, 5, 7, 9, 6, 5, 7)):
+        x = torch.randn(2, t, 8, generator=g)
+        kept = []
+        for m, opt in ((lazy, opts[0]), (ref, opts[1])):
+            out = m(x)
+            out.square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            kept.append(out)
+        pydisc.mark_step()
+        torch.testing.assert_close(kept[0].detach().cpu(), kept[1].detach(), rtol=1e-4, atol=1e-5,
+                                   msg="step %d" % step)
+    m = pydisc.metrics()
+    assert m["fast_demotions"] == {"dynamic shapes: no template takes the fast step": 1}, m["fast_demotions"]
+
+
+class SometimesRead(Encoder):
+    """Computes `mask.all()` of the mask's bool form at every step, reads it at every other step (the same
+    calls either way), and uses the bool form after."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps = 0
+
+    def forward(self, ids, mask):
+        self.steps += 1
+        mask = mask.bool()
+        full = mask.all()
+        if self.steps % 2 == 0:
+            bool(full)
+        return super().forward(ids, mask)
+
+
+def test_a_read_at_some_steps_only():
+    """The same calls with and without a read before them are two structures: the values computed for the
+    read are passed to a template's plan by the steps that made them. With one key, a step without the
+    read could find the binding of a step with it and look for values it never computed."""
+    from pydisc.frontend.lazy_tensor import RECORDER
+
+    torch.manual_seed(0)
+    model = pydisc.lazy(SometimesRead())
+    ids, mask, y = _batches([8])[0]
+    sigs = []
+    for _ in range(2):
+        F.cross_entropy(model(ids, mask).flatten(0, 1), y.flatten()).backward()
+        sigs.append([e.sig for e in RECORDER.trace.entries if e.sig[0] == "fused"])
+        model.zero_grad()
+        pydisc.mark_step()
+    assert len(sigs[0]) == len(sigs[1]) == 1 and sigs[0] != sigs[1]
+    m = _train(SometimesRead(), _batches(LENGTHS + LENGTHS))     # (no template takes both: eager's values)
+    assert m["dynamic_templates"] >= 1
+
+
 def test_a_fast_step_no_template_takes_goes_back_to_the_dispatcher(monkeypatch):
     """A fast step whose ATen-level form no template takes: it runs eagerly, and after two such steps the
     model is recorded by the dispatcher again (counted in `fast_demotions`), its steps served as before."""
