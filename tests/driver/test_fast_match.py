@@ -156,27 +156,44 @@ class Gathered(torch.nn.Module):
         return self.proj(x)[:, :, index].sum(-1)
 
 
+def _beside_eager(model, lengths, batch, loss_of, lr: float = 0.1, lazy_target: bool = True,
+                  keep_output: bool = False):
+    """Train `model` under pydisc and a copy eagerly with SGD, a step per length `t` of `lengths` on
+    `batch(g, step, t)` = (the model's inputs, a target for `loss_of(output, target)`, through `to_lazy`
+    with `lazy_target`); compare the parameters after every step (and with `keep_output`, the outputs
+    kept past mark_step); the metrics."""
+    ref = copy.deepcopy(model)
+    lazy = pydisc.lazy(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in (lazy, ref)]
+    g = torch.Generator().manual_seed(0)
+    for step, t in enumerate(lengths):
+        inputs, target = batch(g, step, t)
+        kept = []
+        for m, opt, y in ((lazy, opts[0], pydisc.to_lazy(target) if lazy_target else target), (ref, opts[1], target)):
+            out = m(*inputs)
+            loss_of(out, y).backward()
+            opt.step()
+            opt.zero_grad()
+            kept.append(out)
+        pydisc.mark_step()
+        for p, q in zip(lazy.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1e-5, msg="step %d" % step)
+        if keep_output:
+            torch.testing.assert_close(kept[0].detach().cpu(), kept[1].detach(), rtol=1e-4, atol=1e-5,
+                                       msg="output, step %d" % step)
+    return pydisc.metrics()
+
+
 def test_an_eager_tensor_of_the_data_is_passed_anew_every_step():
     """The index's values change every step at the same shape: a step served from the plan cache must use
     its own index, never the one of the step that was matched first."""
     torch.manual_seed(0)
-    model = Gathered()
-    ref = copy.deepcopy(model)
-    lazy = pydisc.lazy(model)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (lazy, ref)]
-    g = torch.Generator().manual_seed(0)
-    for step, t in enumerate((5, 7, 9, 6, 8, 7, 9, 6, 8, 7)):
-        x = torch.randn(2, t, 8, generator=g)
-        index = torch.randint(0, 8, (3,), generator=g)
-        y = torch.randn(2, t, generator=g)
-        for m, opt, target in ((lazy, opts[0], pydisc.to_lazy(y)), (ref, opts[1], y)):
-            F.mse_loss(m(x, index), target).backward()
-            opt.step()
-            opt.zero_grad()
-        pydisc.mark_step()
-        for p, q in zip(lazy.parameters(), ref.parameters()):
-            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1e-5, msg="step %d" % step)
-    m = pydisc.metrics()
+
+    def batch(g, step, t):
+        x, index = torch.randn(2, t, 8, generator=g), torch.randint(0, 8, (3,), generator=g)
+        return (x, index), torch.randn(2, t, generator=g)
+
+    m = _beside_eager(Gathered(), (5, 7, 9, 6, 8, 7, 9, 6, 8, 7), batch, F.mse_loss)
     assert m["dynamic_matches"] >= 4 and m["fast_segments"] >= 6, (m["dynamic_matches"], m["fast_segments"])
 
 
@@ -186,21 +203,12 @@ def test_an_eager_scalar_whose_value_changes_every_step():
     later step of the same length would have used the first one's (step 8 differed from eager); the
     fast step is not served by the template then, and the dispatcher's steps pass their own."""
     torch.manual_seed(0)
-    model = torch.nn.Linear(8, 8)
-    ref = copy.deepcopy(model)
-    lazy = pydisc.lazy(model)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in (lazy, ref)]
-    g = torch.Generator().manual_seed(0)
-    for step, t in enumerate((5, 7, 9, 6, 8, 7, 9, 6, 8, 7)):
-        x = torch.randn(2, t, 8, generator=g)
-        exponent = torch.tensor(1.5 + 0.1 * step)
-        for m, opt in ((lazy, opts[0]), (ref, opts[1])):
-            (m(x).abs() + 1).pow(exponent).mean().backward()
-            opt.step()
-            opt.zero_grad()
-        pydisc.mark_step()
-        for p, q in zip(lazy.parameters(), ref.parameters()):
-            torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1e-5, msg="step %d" % step)
+
+    def batch(g, step, t):
+        return (torch.randn(2, t, 8, generator=g),), torch.tensor(1.5 + 0.1 * step)
+
+    _beside_eager(torch.nn.Linear(8, 8), (5, 7, 9, 6, 8, 7, 9, 6, 8, 7), batch,
+                  lambda out, exponent: (out.abs() + 1).pow(exponent).mean(), lr=0.01, lazy_target=False)
 
 
 class Einsum(torch.nn.Module):
@@ -221,24 +229,12 @@ def test_a_value_kept_that_is_a_view_of_what_a_call_made():
     were a reshape, and the kept logits of every matched step differed from eager's; now such a step is
     not served (the model goes back to the dispatcher)."""
     torch.manual_seed(0)
-    model = Einsum()
-    ref = copy.deepcopy(model)
-    lazy = pydisc.lazy(model)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (lazy, ref)]
-    g = torch.Generator().manual_seed(0)
-    for step, t in enumerate((5, 7, 9, 6, 5, 7, 9, 6, 5, 7)):
-        x = torch.randn(2, t, 8, generator=g)
-        kept = []
-        for m, opt in ((lazy, opts[0]), (ref, opts[1])):
-            out = m(x)
-            out.square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-            kept.append(out)
-        pydisc.mark_step()
-        torch.testing.assert_close(kept[0].detach().cpu(), kept[1].detach(), rtol=1e-4, atol=1e-5,
-                                   msg="step %d" % step)
-    m = pydisc.metrics()
+
+    def batch(g, step, t):
+        return (torch.randn(2, t, 8, generator=g),), None
+
+    m = _beside_eager(Einsum(), (5, 7, 9, 6, 5, 7, 9, 6, 5, 7), batch, lambda out, _: out.square().mean(),
+                      lazy_target=False, keep_output=True)
     assert m["fast_demotions"] == {"dynamic shapes: no template takes the fast step": 1}, m["fast_demotions"]
 
 
