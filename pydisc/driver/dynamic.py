@@ -23,7 +23,7 @@ import torch
 
 from ..config import CONFIG
 from ..frontend.fast import set_gate as set_fast_gate
-from ..frontend.layout import flat_base
+from ..frontend.layout import contiguous_strides, flat_base, numel
 from ..frontend.lazy_tensor import RECORDER
 from ..frontend.tensor import LazyTensor
 from ..frontend.op_facts import opinfo
@@ -360,26 +360,11 @@ def changed_dims(old_inputs: tuple, new_inputs: tuple, trace: Trace, old_key: tu
             if i != j or len(a) != len(b) or a == b or j >= len(old_made) or not (old_made[j] and new_made[j]):
                 continue
             real = trace.storage_inputs[j]
-            if offset != 0 or _numel(b) != real.numel() or tuple(stride) != _contiguous(b):
+            if offset != 0 or numel(b) != real.numel() or tuple(stride) != contiguous_strides(b):
                 continue    # a view of part of a storage: not made dynamic
             dims = {d: (x, y) for d, (x, y) in enumerate(zip(a, b)) if x != y}
             out.setdefault(("carried", j), {}).update(dims)
     return out
-
-
-def _numel(size) -> int:
-    n = 1
-    for s in size:
-        n *= s
-    return n
-
-
-def _contiguous(size) -> tuple:
-    strides, acc = [], 1
-    for s in reversed(size):
-        strides.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(strides))
 
 
 def flag(changed: dict) -> bool:

@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 
 import pydisc
+from pydisc.driver import fast_match
 from pydisc.driver.step import clear_plans
+from pydisc.frontend.lazy_tensor import RECORDER
 
 # Lengths that come again, as a training loop's do: a model with dynamic dims records a step fast once
 # its input sizes were seen before (`dynamic._fast_gate`)
@@ -96,7 +98,7 @@ def _fast_and_matched(m) -> None:
     assert not m["fast_demotions"], m["fast_demotions"]
 
 
-def test_steps_of_new_lengths_are_recorded_fast_and_run_the_template():
+def test_steps_of_recurring_lengths_are_recorded_fast_and_run_the_template():
     torch.manual_seed(0)
     m = _train(Encoder(), _batches(LENGTHS))
     _fast_and_matched(m)
@@ -104,7 +106,7 @@ def test_steps_of_new_lengths_are_recorded_fast_and_run_the_template():
 
 
 @pytest.mark.cuda
-def test_steps_of_new_lengths_are_recorded_fast_on_cuda():
+def test_steps_of_recurring_lengths_are_recorded_fast_on_cuda():
     """On a GPU autograd runs the ATen-level form's backward on a thread of its own, which records while
     mark_step holds the recorder's lock (fast_match._fused lets go of it meanwhile)."""
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -259,8 +261,6 @@ def test_a_read_at_some_steps_only():
     """The same calls with and without a read before them are two structures: the values computed for the
     read are passed to a template's plan by the steps that made them. With one key, a step without the
     read could find the binding of a step with it and look for values it never computed."""
-    from pydisc.frontend.lazy_tensor import RECORDER
-
     torch.manual_seed(0)
     model = pydisc.lazy(SometimesRead())
     ids, mask, y = _batches([8])[0]
@@ -278,8 +278,6 @@ def test_a_read_at_some_steps_only():
 def test_a_fast_step_no_template_takes_goes_back_to_the_dispatcher(monkeypatch):
     """A fast step whose ATen-level form no template takes: it runs eagerly, and after two such steps the
     model is recorded by the dispatcher again (counted in `fast_demotions`), its steps served as before."""
-    from pydisc.driver import fast_match
-
     monkeypatch.setattr(fast_match, "match_template", lambda *args: None)
     torch.manual_seed(0)
     m = _train(Encoder(), _batches(LENGTHS))

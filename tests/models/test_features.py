@@ -5,6 +5,7 @@ checkpoints. Losses and parameters must agree within float32 tolerances (looser 
 The models reuse a few shapes so that the process-wide compile cache serves most tests."""
 from __future__ import annotations
 
+import collections
 import copy
 import subprocess
 import sys
@@ -522,8 +523,6 @@ def test_containers_passed_to_a_lazy_module_keep_their_types() -> None:
     """The input hook makes the tensors inside a module's arguments lazy: the containers around them
     keep their types (it made every dict plain, and HF T5's generate then failed on
     `encoder_outputs[0]`), and a container with nothing to convert is passed as it is."""
-    import collections
-
     Pair = collections.namedtuple("Pair", "a b")
 
     class Model(nn.Module):
