@@ -27,8 +27,7 @@ The variable-length workloads report the total time of `--varlen-steps` steps in
 against torch.compile with `dynamic=False` (one compile per length, up to its recompile limit) and, as the
 mode `torch.compile.dynamic`, with `dynamic=True` (one compile with symbolic sizes; run for these
 workloads only); the modes take turns, `--varlen-chunk` steps each, so that they see the same machine
-load and process warmth. `bert_varlen_fp32` is the same without autocast (float32, TF32 matmuls): the
-fast recorder (`PYDISC_FAST_RECORD=1`) does not follow autocast, so only there can it record the forward.
+load and process warmth. `bert_varlen_fp32` is the same without autocast (float32, TF32 matmuls).
 """
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ import pydisc
 from pydisc.driver import background
 from pydisc.config import CONFIG
 from pydisc.driver.step import clear_plans
+from pydisc.frontend.segment import FAST
 
 
 @pytest.fixture
@@ -102,12 +103,15 @@ def test_a_plan_that_fails_to_build_leaves_its_graph_eager(gated, monkeypatch):
 
 
 def test_varying_sizes_that_record_slower_than_eager_keep_eager_before_any_template(gated, monkeypatch):
-    """Sizes that vary: the second step (new sizes) says that dims are dynamic, and the step after it runs
-    plainly in torch, timed, before a template is recorded; recording took longer (the bound set to 0,
-    so that the outcome does not depend on timing), so eager is kept: no template, nothing compiled."""
+    """Sizes that vary, recorded op by op (the fast recorder off): the second step (new sizes) says that
+    dims are dynamic, and the step after it runs plainly in torch, timed, before a template is recorded;
+    recording took longer (the bound set to 0, so that the outcome does not depend on timing), so eager is
+    kept: no template, nothing compiled. (With the fast recorder, steps of new sizes are not probed:
+    tests/driver/test_fast_match.py.)"""
     from pydisc.driver import step_choice
 
     monkeypatch.setattr(CONFIG, "step_choice", "all")
+    monkeypatch.setattr(FAST, "default", "off")     # (PYDISC_FAST_RECORD=0)
     monkeypatch.setattr(step_choice, "PROBE_AFTER", 2)
     monkeypatch.setattr(step_choice, "RECORDING_BOUND", 0.0)
     sizes = (5, 7, 3, 6, 4)
@@ -122,9 +126,10 @@ def test_varying_sizes_that_record_slower_than_eager_keep_eager_before_any_templ
 
 def test_the_probe_runs_again_when_steps_turn_to_the_dispatch_recorder(monkeypatch):
     """The recording probe judges the steps it timed: the first steps of a fixed size are fast-recorded
-    and pass it; once sizes vary, the steps record op by op (the fast recorder records no symbolic step),
-    so they are probed again, and this time (the bound set to 0 after the first probe, so that the outcome
-    does not depend on timing) eager is kept before a template is compiled."""
+    and pass it; then sizes vary and never come again, so the steps record op by op (the fast recorder
+    records steps of sizes seen before). The first `OFF_PATH_STEPS` of them are not probed (sizes that
+    come again would be recorded fast); after that they are probed again, and this time (the bound set to
+    0 after the first probe, so that the outcome does not depend on timing) eager is kept."""
     from pydisc.driver import step_choice
 
     monkeypatch.setattr(CONFIG, "step_choice", "all")
@@ -139,14 +144,16 @@ def test_the_probe_runs_again_when_steps_turn_to_the_dispatch_recorder(monkeypat
     monkeypatch.setattr(step_choice, "_end_probe", then_strict)
     clear_plans()
     pydisc.reset_metrics()
-    sizes = (5, 5, 5, 5, 7, 3, 6, 4)
-    expected, params, _ = _train(False, 14, sizes=sizes)
-    losses, lazy_params, seen = _train(True, 14, sizes=sizes)
+    sizes = (5, 5, 5, 5) + tuple(range(7, 7 + step_choice.OFF_PATH_STEPS + 4))
+    steps = len(sizes) + 4
+    expected, params, _ = _train(False, steps, sizes=sizes)
+    losses, lazy_params, seen = _train(True, steps, sizes=sizes)
     _assert_same((losses, lazy_params), (expected, params))
     m = pydisc.metrics()
     assert m["fast_entries"] > 0, m
     assert "-> eager, not compiled" in m["step_choice"], m["step_choice"]
-    assert seen[-1][0] == seen[-6][0], seen      # nothing recorded in the last steps
+    # probed at the 9th and 10th new sizes, the step after them plain: nothing recorded from then on
+    assert seen[-1][0] == seen[4 + step_choice.OFF_PATH_STEPS + 1][0] > seen[4 + step_choice.OFF_PATH_STEPS][0], seen
     clear_plans()
 
 

@@ -105,13 +105,28 @@ def _fast_gate() -> bool:
     have)."""
     state = ENGINE.dynamic
     if state.flagged:
-        return bool(state.templates) and not state.fast_refused and RECORDER.carried_dims is None and \
-            tuple(RECORDER.input_shapes) in state.shapes_seen
+        if state.fast_refused or RECORDER.carried_dims is not None:
+            return False
+        seen = tuple(RECORDER.input_shapes) in state.shapes_seen
+        state.new_sizes = state.new_sizes or not seen       # (`took_new_sizes`)
+        return seen and bool(state.templates)
     shapes, last = RECORDER.input_shapes, RECORDER.last_input_shapes
-    return not (CONFIG.dynamic and last and shapes != last[:len(shapes)])
+    new = bool(CONFIG.dynamic and last and shapes != last[:len(shapes)])
+    state.new_sizes = state.new_sizes or new
+    return not new
 
 
 set_fast_gate(_fast_gate)
+
+
+def took_new_sizes() -> bool:
+    """At mark_step: whether the step was recorded op by op only because its input sizes were new
+    (`_fast_gate` said so, where nothing else kept the fast recorder off): the steps of sizes seen before
+    record fast, and that is the recording the step choice's probe must time (step_choice.py)."""
+    state = ENGINE.dynamic
+    new, state.new_sizes = state.new_sizes, False
+    return new
+
 
 # Sizes of step inputs remembered per model, for `_fast_gate`: beyond this many, the oldest half goes.
 SHAPES_KEPT = 4096

@@ -44,6 +44,7 @@ class DynamicState:
     fast_misses: int = 0                             # fast-recorded steps in a row no template took
     fast_refused: bool = False                       # ... too many: the dispatcher records (fast_match.py)
     shapes_seen: dict = field(default_factory=dict)  # step input shapes (and prefixes) seen, in order
+    new_sizes: bool = False                          # a forward of this step was gated for its new sizes
 
 
 class ChoiceState:
@@ -59,6 +60,7 @@ class ChoiceState:
         self.recorded_steps = 0    # steps that recorded ops, until the probe
         self.probed: bool | None = None    # whether the probed step was fast-recorded (`fused`)
         self.reprobes = 0          # probes again because the recording path changed
+        self.off_path = 0          # steps in a row recorded op by op only because their sizes were new
         self.reads: ReadRuns | None = None   # runs forced by reads since the last mark_step
         self.through = False       # pass-through was on when the last mark_step ended
         # the plain eager step being timed: [seconds the step before took to record, when the timed step

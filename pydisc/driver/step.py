@@ -100,6 +100,7 @@ def run_pending(target: LazyTensor | None = None, reason: str = "mark_step") -> 
                 raise out_of_memory_error(exc, trace) from exc
             raise
         if reason == "mark_step":
+            off_path = dynamic.took_new_sizes()
             dynamic.note_shapes()
             RECORDER.end_step()
         elif not RECORDER.trace.entries and not torch.is_grad_enabled() and \
@@ -113,7 +114,7 @@ def run_pending(target: LazyTensor | None = None, reason: str = "mark_step") -> 
             optimizer_state.completed()
         if reason == "mark_step" and target is None:
             background.note_step()
-            step_choice.after_mark_step(*(ran or (None, False, None)), recorded, fused)
+            step_choice.after_mark_step(*(ran or (None, False, None)), recorded, fused, off_path)
         elif ran is not None:
             step_choice.note_read_run(*ran, recorded, fused)
         pairs = RECORDER.grad_inputs if reason == "mark_step" else []

@@ -37,6 +37,7 @@ RECORDING_BOUND = 1.3   # recording a step this many times slower than a plain e
 WATCH = 50      # compiled steps kept: the median time between this many mark_steps is watched
 DRIFT = 1.5     # ... and one this many times slower or faster than the compiled windows: measured again
 RECHECKS = 3    # at most this many times per process
+OFF_PATH_STEPS = 8      # steps in a row of new sizes not probed (`after_mark_step`), at most
 
 
 def reset() -> None:
@@ -75,11 +76,12 @@ def _now(device: torch.device, settle: bool = True) -> float:
 
 
 def after_mark_step(key, cached: bool, device: torch.device | None, recorded: float = 0.0,
-                    fused: bool = False) -> None:
+                    fused: bool = False, off_path: bool = False) -> None:
     """Called at the end of each `mark_step()`: `key` says which plan the step ran (None: nothing ran, or
     a plan not reusable), `cached` whether it came from the plan cache, `recorded` the seconds the
     step spent recording ops (less meta kernels; 0: it recorded none), `fused` whether the fast
-    recorder recorded its forward."""
+    recorder recorded its forward, `off_path` whether it was recorded op by op only because its input
+    sizes were new (dynamic.py: the steps of sizes seen before record fast)."""
     s = ENGINE.choice
     through, s.through = s.through, _background_passthrough()
     if s.reads is not None:
@@ -98,6 +100,16 @@ def after_mark_step(key, cached: bool, device: torch.device | None, recorded: fl
         # some ops of this step passed through (a plan was being built in the background): neither
         # its recording nor its time is the step's
         key, recorded = None, 0.0
+    if off_path and recorded:
+        if s.off_path < OFF_PATH_STEPS:
+            # Not the recording the steps to come will have: neither probed nor a reason to probe again.
+            # (A model of variable-length batches would otherwise be judged by its first new length,
+            # recorded op by op and symbolically at several times the cost of its steps of lengths seen
+            # before.) Where sizes keep coming new, this is the steps' recording after all.
+            s.off_path += 1
+            recorded = 0.0
+    elif recorded:
+        s.off_path = 0
     if s.probe is not None:
         _end_probe(s)
         return
@@ -107,8 +119,8 @@ def after_mark_step(key, cached: bool, device: torch.device | None, recorded: fl
         return
     if recorded and s.probed is not None and fused != s.probed and s.phase in ("idle", "compiled") and \
             s.reprobes < RECHECKS:
-        # the probe timed the other recording path's steps (the fast recorder records no step with
-        # dynamic sizes): probe these steps again
+        # the probe timed the other recording path's steps (the fast recorder gave up on the model, or
+        # its steps record fast from now on): probe these steps again
         s.reprobes += 1
         s.probed, s.recorded_steps = None, 0
         s.phase, s.streak, s.times = "idle", 0, {"compiled": [], "eager": []}

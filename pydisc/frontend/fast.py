@@ -105,10 +105,11 @@ def refuse(reason: str) -> None:
 
 
 def _can_start() -> bool:
-    if FAST.refused is not None or FAST.demoted or RECORDER.passthrough or RECORDER.symbolic is not None or \
-            _functorch() or _modes() != own_modes():
+    if FAST.refused is not None or FAST.demoted or RECORDER.passthrough or _functorch() or \
+            _modes() != own_modes():
         return False
-    if FAST.gate is not None and not FAST.gate():
+    # (the gate before a symbolic step's refusal: it notes a step kept off for its new sizes, dynamic.py)
+    if FAST.gate is not None and not FAST.gate() or RECORDER.symbolic is not None:
         return False
     dist = torch.distributed
     return not (dist.is_available() and dist.is_initialized())

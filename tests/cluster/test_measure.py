@@ -434,6 +434,31 @@ def test_step_choice_windows_take_turns_and_the_fastest_counts(step_choice_cpu, 
     assert "-> eager" in run([{"compiled": 0.020, "eager": 0.010}] * 10, then_plan=True)
 
 
+def test_the_probe_skips_steps_of_new_sizes_until_they_keep_coming(step_choice_cpu, monkeypatch):
+    # steps recorded op by op only because their sizes were new (`off_path`) are not probed: the next
+    # recorded step is, or the `OFF_PATH_STEPS + 1`-th of new sizes in a row (then that is what steps cost)
+    from pydisc.driver import step_choice
+
+    monkeypatch.setattr(step_choice, "PROBE_AFTER", 2)
+    probed = []
+    monkeypatch.setattr(step_choice, "_start_probe", lambda s, recorded, device: probed.append(recorded))
+    cpu = torch.device("cpu")
+
+    def steps(off_path: list) -> list:
+        step_choice.reset()
+        probed.clear()
+        for k, off in enumerate(off_path):
+            step_choice.after_mark_step(None, False, cpu, recorded=0.001 * (k + 1), off_path=off)
+            if probed:
+                break
+        return probed[:]
+
+    assert steps([False, True, True, True, False]) == [0.005]
+    assert steps([False] + [True] * step_choice.OFF_PATH_STEPS + [True]) == [0.001 * (step_choice.OFF_PATH_STEPS + 2)]
+    assert steps([False, False]) == [0.002]
+    step_choice.reset()
+
+
 def _faked_steps(monkeypatch, device: torch.device):
     """The step choice on fake clocks, nothing released: (the clock, `steps(n, compiled, eager, plan)`,
     which runs n steps, each `compiled` or `eager` seconds by the mode it runs in, and returns the modes)."""
