@@ -19,6 +19,7 @@ from ..diagnostics import explain_recompile, log, warn_once
 from ..exec import graphs
 from ..exec.compiled import collecting_calls
 from ..frontend import fast
+from ..frontend.fused import FusedStep
 from ..frontend.lazy_tensor import PRUNE_FIRST_AT, RECORDER, LazyTensor, materialize
 from ..frontend.tensor import StrictModeError
 from ..frontend.replay import NotDynamic, Program, concrete_program, program_from_trace, symbolic_program
@@ -38,6 +39,15 @@ __all__ = ["run_pending", "prune_pending", "clear_plans"]
 
 # A read mid-step whose value needs at most this many recorded ops runs them in torch (`_run`).
 SMALL_READ_OPS = 16
+
+
+def _calls(trace: Trace, entries: list[int]) -> int:
+    """The ops of `entries`: a fast-recorded forward (`FusedStep`) counts its calls, and its backward."""
+    n = 0
+    for i in entries:
+        fn = trace.entries[i].fn
+        n += 2 * len(fn.entries) if type(fn) is FusedStep else 1
+    return n
 
 
 def clear_plans() -> None:
@@ -144,10 +154,18 @@ def _run(trace: Trace, target: LazyTensor | None, defer: bool = False) -> tuple:
     mark_step, the run may go to the worker thread (`_deferrable`)."""
     n = len(trace.entries)
     cached = graphed = False
+    small = False
     if target is None:
         executed = list(range(n))
     else:
         executed = needed_entries(trace, target._storage)
+        small = _calls(trace, executed) <= SMALL_READ_OPS
+        if not small:
+            # A read that needs a step's worth of ops (`loss.item()` to log it) runs all that is recorded,
+            # as mark_step would, not just what it needs: a step that logs its loss after `opt.step()`
+            # is then one plan as without the read, and the step's parts, each planned on its own,
+            # would not match a dynamic-shape template (they planned per shape).
+            executed = list(range(n))
     trace.check_real_inputs(executed)
     executed_set = set(executed)
     remaining = [i for i in range(n) if i not in executed_set]
@@ -159,7 +177,7 @@ def _run(trace: Trace, target: LazyTensor | None, defer: bool = False) -> tuple:
     device = step_device(trace)
     scalars = _scalars(trace.scalars, device) if trace.scalars else None
     inputs = list(trace.storage_inputs) + list(trace.real_inputs) + ([scalars] if scalars is not None else [])
-    if target is not None and remaining and len(executed) <= SMALL_READ_OPS:
+    if small and remaining:
         # a value read mid-step that needs a few ops (HF's `padding_mask.all()`, a size): torch runs
         # them, as eager would, rather than a plan of their own; the rest of the step stays pending
         program = concrete_program(trace, executed, outputs) if trace.symbolic is not None else \
