@@ -41,13 +41,10 @@ __all__ = ["run_pending", "prune_pending", "clear_plans"]
 SMALL_READ_OPS = 16
 
 
-def _calls(trace: Trace, entries: list[int]) -> int:
-    """The ops of `entries`: a fast-recorded forward (`FusedStep`) counts its calls, and its backward."""
-    n = 0
-    for i in entries:
-        fn = trace.entries[i].fn
-        n += 2 * len(fn.entries) if type(fn) is FusedStep else 1
-    return n
+def _small(trace: Trace, entries: list[int]) -> bool:
+    """Whether `entries` are a few ops, for torch to run: at most `SMALL_READ_OPS`, none a fast-recorded
+    forward (`FusedStep`: a forward and its backward, what a plan is for)."""
+    return len(entries) <= SMALL_READ_OPS and not any(type(trace.entries[i].fn) is FusedStep for i in entries)
 
 
 def clear_plans() -> None:
@@ -159,7 +156,7 @@ def _run(trace: Trace, target: LazyTensor | None, defer: bool = False) -> tuple:
         executed = list(range(n))
     else:
         executed = needed_entries(trace, target._storage)
-        small = _calls(trace, executed) <= SMALL_READ_OPS
+        small = _small(trace, executed)
         if not small:
             # A read that needs a step's worth of ops (`loss.item()` to log it) runs all that is recorded,
             # as mark_step would, not just what it needs: a step that logs its loss after `opt.step()`
