@@ -103,6 +103,7 @@ def run_pending(target: LazyTensor | None = None, reason: str = "mark_step") -> 
             RECORDER.end_step()
             RECORDER.grad_inputs = []
             optimizer_state.abandoned()
+            dynamic.took_new_sizes()        # (the step's note, read and cleared)
             if out_of_memory_in(exc):
                 raise out_of_memory_error(exc, trace) from exc
             raise
@@ -110,20 +111,22 @@ def run_pending(target: LazyTensor | None = None, reason: str = "mark_step") -> 
             off_path = dynamic.took_new_sizes()
             dynamic.note_shapes()
             RECORDER.end_step()
-        elif not RECORDER.trace.entries and not torch.is_grad_enabled() and \
+        elif (ran is None or ran[3]) and not RECORDER.trace.entries and not torch.is_grad_enabled() and \
                 torch._C._current_graph_task_id() == -1:
-            # a read without grad ran everything pending: the step ends as at mark_step (HF generate()
-            # reads each token's result, then calls the model again, with no mark_step between). Not
-            # inside a backward (a gradient hook's read): autograd restores the thread's dispatch state
-            # when its graph task ends, which would undo the end of a symbolic step
+            # a read without grad that needed everything pending: the step ends as at mark_step (HF
+            # generate() reads each token's result, then calls the model again, with no mark_step
+            # between); not a read that ran the rest of a training step along with it (an accuracy
+            # logged under no_grad before opt.step()). Not inside a backward (a gradient hook's read):
+            # autograd restores the thread's dispatch state when its graph task ends, which would undo
+            # the end of a symbolic step
             RECORDER.end_step()
         if reason == "mark_step" or not RECORDER.trace.entries:    # nothing left that could be abandoned
             optimizer_state.completed()
         if reason == "mark_step" and target is None:
             background.note_step()
-            step_choice.after_mark_step(*(ran or (None, False, None)), recorded, fused, off_path)
+            step_choice.after_mark_step(*(ran[:3] if ran else (None, False, None)), recorded, fused, off_path)
         elif ran is not None:
-            step_choice.note_read_run(*ran, recorded, fused)
+            step_choice.note_read_run(*ran[:3], recorded, fused)
         pairs = RECORDER.grad_inputs if reason == "mark_step" else []
         if pairs:
             RECORDER.grad_inputs = []
@@ -146,9 +149,10 @@ def _pass_on_input_grads(pairs: list) -> None:
 
 def _run(trace: Trace, target: LazyTensor | None, defer: bool = False) -> tuple:
     """Returns (which plan ran: its id, None where it is not reusable; whether it came from the plan
-    cache; the device), for `step_choice.after_mark_step`. (The id, not the cache key: a key is hashed
-    anew at each lookup, and the steps of a dynamic-shape template share its plan.) `defer`: at a
-    mark_step, the run may go to the worker thread (`_deferrable`)."""
+    cache; the device), for `step_choice.after_mark_step`, and whether a read needed all it ran (what it
+    left out nobody can observe). (The id, not the cache key: a key is hashed anew at each lookup, and the
+    steps of a dynamic-shape template share its plan.) `defer`: at a mark_step, the run may go to the
+    worker thread (`_deferrable`)."""
     n = len(trace.entries)
     cached = graphed = False
     small = False
@@ -157,12 +161,17 @@ def _run(trace: Trace, target: LazyTensor | None, defer: bool = False) -> tuple:
     else:
         executed = needed_entries(trace, target._storage)
         small = _small(trace, executed)
-        if not small:
-            # A read that needs a step's worth of ops (`loss.item()` to log it) runs all that is recorded,
-            # as mark_step would, not just what it needs: a step that logs its loss after `opt.step()`
-            # is then one plan as without the read, and the step's parts, each planned on its own,
-            # would not match a dynamic-shape template (they planned per shape).
-            executed = list(range(n))
+    # the value read needed all that is recorded, or all that can still be observed (a token of `generate()`)
+    whole = len(executed) == n
+    if target is not None and not small:
+        if not whole and not torch.is_grad_enabled():
+            needed, observable = set(executed), set(observable_entries(trace))
+            whole = not any(i in observable for i in range(n) if i not in needed)
+        # A read that needs a step's worth of ops (`loss.item()` to log it) runs all that is recorded, not
+        # just what it needs: a step that logs its loss after `opt.step()` is then one plan as without
+        # the read, and the step's parts, each planned on its own, would not match a dynamic-shape
+        # template (they planned per shape). The step goes on (`whole` says whether it ends, run_pending).
+        executed = list(range(n))
     trace.check_real_inputs(executed)
     executed_set = set(executed)
     remaining = [i for i in range(n) if i not in executed_set]
@@ -181,7 +190,7 @@ def _run(trace: Trace, target: LazyTensor | None, defer: bool = False) -> tuple:
             program_from_trace(trace, executed, outputs)
         METRICS.reads_run_eagerly += 1
         bind(trace, outputs, program(*inputs), executed, remaining)
-        return None, False, device
+        return None, False, device, whole
     if trace.symbolic is not None:
         plan, call_inputs, perm = _plan_symbolic(trace, executed, outputs, inputs, scalars, device)
         key = None
@@ -201,7 +210,7 @@ def _run(trace: Trace, target: LazyTensor | None, defer: bool = False) -> tuple:
         if plan is None:
             plan = _plan_concrete(trace, key, executed, outputs, inputs, device, remaining)
             if plan is None:
-                return None, False, device   # ran eagerly and bound (a shape change: dynamic dims from now on)
+                return None, False, device, whole   # ran eagerly and bound (a shape change: dynamic dims from now on)
         else:
             cached = True
             METRICS.graph_cache_hits += 1
@@ -216,7 +225,7 @@ def _run(trace: Trace, target: LazyTensor | None, defer: bool = False) -> tuple:
                         bind(trace, outputs, program_from_trace(trace, executed, outputs)(*inputs), executed,
                               remaining)
                         _start_template(binding.template, device)
-                        return None, False, device
+                        return None, False, device, whole
                     binding = None
                 elif not _build_template(binding, device):
                     ENGINE.plans.pop(key, None)   # this step's sizes break a guard that planning added
@@ -242,7 +251,7 @@ def _run(trace: Trace, target: LazyTensor | None, defer: bool = False) -> tuple:
     plan.calls += 1
     if defer and target is None and _deferrable(plan, trace, outputs, device, remaining, key, graphed, check) and \
             _defer(plan, trace, executed, outputs, inputs, call_inputs, perm, key, device):
-        return id(plan), cached, device
+        return id(plan), cached, device, whole
 
     def produce():
         if graphed:
@@ -252,7 +261,7 @@ def _run(trace: Trace, target: LazyTensor | None, defer: bool = False) -> tuple:
     results, plan = _outcome(plan, produce, trace, executed, outputs, inputs, perm, key, device, check)
     _count_step(plan)
     bind(trace, outputs, results, executed, remaining)
-    return (id(plan) if key is not None else None), cached, device
+    return (id(plan) if key is not None else None), cached, device, whole
 
 
 def _outcome(plan: StepPlan, produce, trace: Trace, executed: list[int], outputs: tuple, inputs: list, perm,
