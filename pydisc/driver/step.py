@@ -91,8 +91,11 @@ def run_pending(target: LazyTensor | None = None, reason: str = "mark_step") -> 
         if background.pending():
             background.collect()
         trace = RECORDER.trace
-        # seconds this step spent recording, less the meta kernels of ops not seen before (step_choice.py)
-        recorded = time.perf_counter() - RECORDER.trace_started - RECORDER.meta_seconds if trace.entries else 0.0
+        # seconds this step spent recording, less the meta kernels of ops not seen before (step_choice.py);
+        # none for a step recorded symbolically, once per dynamic-shape template: what later steps cost is
+        # not that (a symbolic BERT step recorded in seconds)
+        recorded = time.perf_counter() - RECORDER.trace_started - RECORDER.meta_seconds \
+            if trace.entries and trace.symbolic is None else 0.0
         fused = trace.fused > 0         # recorded by the fast recorder
         ran = None
         try:
