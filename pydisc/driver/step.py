@@ -166,10 +166,10 @@ def _run(trace: Trace, target: LazyTensor | None, defer: bool = False) -> tuple:
         small = _small(trace, executed)
     # the value read needed all that is recorded, or all that can still be observed (a token of `generate()`)
     whole = len(executed) == n
+    if target is not None and not whole and not torch.is_grad_enabled():
+        needed, observable = set(executed), set(observable_entries(trace))
+        whole = not any(i in observable for i in range(n) if i not in needed)
     if target is not None and not small:
-        if not whole and not torch.is_grad_enabled():
-            needed, observable = set(executed), set(observable_entries(trace))
-            whole = not any(i in observable for i in range(n) if i not in needed)
         # A read that needs a step's worth of ops (`loss.item()` to log it) runs all that is recorded, not
         # just what it needs: a step that logs its loss after `opt.step()` is then one plan as without
         # the read, and the step's parts, each planned on its own, would not match a dynamic-shape
