@@ -508,3 +508,31 @@ def test_static_outputs_keep_the_static_path(compiles: list[str]) -> None:
             torch.randn(3)]
     (compiled,) = _compiled(plan_graph(symbolic_trace(_mlp_step, args, {0: (0,), 1: (0,)}), CPU, [], 0))
     assert compiled.prepare is None
+
+
+def test_reductions_over_dynamic_token_dims_split_in_two(compiles: list[str]) -> None:
+    # a bias gradient over the tokens of variable-length batches ([32 * s0, H] -> [H]) was one GPU thread
+    # per result looping over every token; split by a power of two of the size's constant factor
+    def fn(x: torch.Tensor) -> list[torch.Tensor]:
+        flat = x.reshape(-1, x.shape[-1])
+        return [x.sum((0, 1)), flat.sum(0), flat.amax(0), (flat * 2).mean(0), x.sum(), flat.amin()]
+
+    variants = [[torch.randn(32, s, 24)] for s in (5, 2, 9)]
+    check_sizes(fn, variants[0], {0: (1,)}, variants, compiles, rtol=1e-4, atol=1e-4)
+    text = "\n".join(compiles)
+    assert text.count('"stablehlo.reduce"') >= 2 * 6, text.count('"stablehlo.reduce"')
+
+    from pydisc.frontend.lowering import reductions
+    from pydisc.frontend.lowering.values import TensorSpec, Value
+
+    s0, s1 = sympy.symbols("s0 s1", integer=True, positive=True)
+
+    def split(shape, dims):
+        return reductions._split(Value("%x", TensorSpec(shape, torch.float32)), dims)
+
+    assert split((32 * s0, 768), [0]) == (s0, 32, (768,))
+    assert split((32, s0, 768), [0, 1]) == (s0, 32, (768,))
+    assert split((s0, 8 * s1), [0, 1]) == (s0 * s1, 8, ())
+    assert split((s0, 768), [0]) is None                       # no constant factor to split by
+    assert split((s0 + 1, 768), [0]) is None
+    assert split((32, s0), [1]) is None                        # an inner reduction is parallel already
