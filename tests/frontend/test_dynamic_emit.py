@@ -536,3 +536,15 @@ def test_reductions_over_dynamic_token_dims_split_in_two(compiles: list[str]) ->
     assert split((s0, 768), [0]) is None                       # no constant factor to split by
     assert split((s0 + 1, 768), [0]) is None
     assert split((32, s0), [1]) is None                        # an inner reduction is parallel already
+
+
+def test_split_reduction_of_an_input_that_carries_only_the_product(compiles: list[str]) -> None:
+    # the cluster after dropout (run by torch) gets [32 * s0, 16] and no tensor with s0 alone: the split
+    # reads s0 as that dim / 32 rather than failing to lower (the cluster would run eagerly)
+    def fn(x: torch.Tensor) -> list[torch.Tensor]:
+        h = aten.native_dropout(x.reshape(-1, 16) * 2, 0.5, True)[0]
+        return [h.sum(0), h.amax(0) + 1]
+
+    variants = [[torch.randn(32, s, 16)] for s in (5, 3, 9)]
+    plan = check_sizes(fn, variants[0], {0: (1,)}, variants, compiles, eager=["aten.native_dropout.default"], seed=3)
+    assert plan.clusters == 2

@@ -227,6 +227,14 @@ class SizeBindings:
                     expr = expr.subs(compound, self._compound[compound])
         missing = expr.free_symbols - self.leaves.keys()
         if missing:
+            # a part of a compound dim: `s0` from an input of `32*s0` (a reduction split by 32) is that
+            # dim // 32, exactly
+            for compound, stand_in in self._compound.items():
+                factor, part = compound.as_coeff_Mul()
+                if factor.is_Integer and factor > 1 and part.free_symbols <= missing and part in expr.atoms(type(part)):
+                    expr = expr.subs(part, symfn.FloorDiv(stand_in, int(factor)))
+            missing = expr.free_symbols - self.leaves.keys()
+        if missing:
             raise UnboundSizeError(
                 f"size {size} needs {', '.join(sorted(map(str, missing)))}, which no tensor input of the "
                 "cluster has as a dim"
