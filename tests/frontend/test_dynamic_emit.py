@@ -21,7 +21,9 @@ from conftest import check, trace
 from pydisc.config import CONFIG
 from pydisc.frontend.decompositions import DECOMPOSITIONS
 from pydisc.frontend.emit import TensorSpec, emit_cluster, unsupported_reason
+from pydisc.frontend.lowering import reductions
 from pydisc.frontend.lowering.size_exprs import reshape_groups
+from pydisc.frontend.lowering.values import Value
 from pydisc.metrics import METRICS
 from pydisc.driver.plan import StepPlan, plan_graph
 from pydisc.exec.clusters import CompiledCluster
@@ -521,9 +523,6 @@ def test_reductions_over_dynamic_token_dims_split_in_two(compiles: list[str]) ->
     check_sizes(fn, variants[0], {0: (1,)}, variants, compiles, rtol=1e-4, atol=1e-4)
     text = "\n".join(compiles)
     assert text.count('"stablehlo.reduce"') >= 2 * 6, text.count('"stablehlo.reduce"')
-
-    from pydisc.frontend.lowering import reductions
-    from pydisc.frontend.lowering.values import TensorSpec, Value
 
     s0, s1 = sympy.symbols("s0 s1", integer=True, positive=True)
 
