@@ -34,6 +34,13 @@ ZOO = {
     "modernbert": (lambda: T.ModernBertForMaskedLM(T.ModernBertConfig(
         **_SMALL, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2,
         global_attn_every_n_layers=2, local_attention=8)), "mlm", None),
+    "roberta": (lambda: T.RobertaForMaskedLM(T.RobertaConfig(**_SMALL, **_NO_DROPOUT, pad_token_id=1)), "mlm", None),
+    "electra": (lambda: T.ElectraForMaskedLM(T.ElectraConfig(**_SMALL, **_NO_DROPOUT, embedding_size=16)), "mlm",
+                None),
+    "mobilebert": (lambda: T.MobileBertForMaskedLM(T.MobileBertConfig(
+        vocab_size=V, hidden_size=32, embedding_size=16, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, true_hidden_size=32, intra_bottleneck_size=32, num_feedforward_networks=1,
+        **_NO_DROPOUT)), "mlm", None),
     "gpt_neox": (lambda: T.GPTNeoXForCausalLM(T.GPTNeoXConfig(**_SMALL, rotary_pct=0.5)), "clm", None),
     "opt": (lambda: T.OPTForCausalLM(T.OPTConfig(
         vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
@@ -41,6 +48,15 @@ ZOO = {
     "qwen2": (lambda: T.Qwen2ForCausalLM(T.Qwen2Config(**_SMALL, num_key_value_heads=2)), "clm", None),
     "phi": (lambda: T.PhiForCausalLM(T.PhiConfig(
         **_SMALL, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, partial_rotary_factor=0.5)), "clm", None),
+    "qwen3": (lambda: T.Qwen3ForCausalLM(T.Qwen3Config(**_SMALL, num_key_value_heads=2, head_dim=8)), "clm", None),
+    "phi3": (lambda: T.Phi3ForCausalLM(T.Phi3Config(**_SMALL, num_key_value_heads=2, pad_token_id=0)), "clm", None),
+    "stablelm": (lambda: T.StableLmForCausalLM(T.StableLmConfig(**_SMALL, num_key_value_heads=2)), "clm", None),
+    "gptj": (lambda: T.GPTJForCausalLM(T.GPTJConfig(
+        vocab_size=V, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0)), "clm", None),
+    "codegen": (lambda: T.CodeGenForCausalLM(T.CodeGenConfig(
+        vocab_size=V, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64, n_ctx=64, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0)), "clm", None),
     "gemma": (lambda: T.GemmaForCausalLM(T.GemmaConfig(**_SMALL, num_key_value_heads=2, head_dim=8)), "clm", None),
     "falcon": (lambda: T.FalconForCausalLM(T.FalconConfig(
         vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, hidden_dropout=0.0,
@@ -63,6 +79,12 @@ ZOO = {
     "swin": (lambda: T.SwinForImageClassification(T.SwinConfig(
         image_size=32, patch_size=4, num_channels=3, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4,
         num_labels=5, **_NO_DROPOUT, drop_path_rate=0.0)), "image", None),
+    "deit": (lambda: T.DeiTForImageClassification(T.DeiTConfig(
+        image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        num_labels=5, **_NO_DROPOUT)), "image", None),
+    "dinov2": (lambda: T.Dinov2ForImageClassification(T.Dinov2Config(
+        image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, mlp_ratio=2,
+        num_labels=5, **_NO_DROPOUT)), "image", None),
     "convnext": (lambda: T.ConvNextForImageClassification(T.ConvNextConfig(
         num_channels=3, num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], num_labels=5, image_size=32)), "image",
         None),
