@@ -547,3 +547,14 @@ def test_split_reduction_of_an_input_that_carries_only_the_product(compiles: lis
     variants = [[torch.randn(32, s, 16)] for s in (5, 3, 9)]
     plan = check_sizes(fn, variants[0], {0: (1,)}, variants, compiles, eager=["aten.native_dropout.default"], seed=3)
     assert plan.clusters == 2
+
+
+def test_concatenation_with_an_empty_piece(compiles: list[str]) -> None:
+    # partial rotary embeddings that cover the whole head (Phi-3): `cat((rotated, x[..., 8:]), -1)` with an
+    # empty pass-through; IREE's CPU code failed on the empty piece of a dynamic concatenation ("offset 3
+    # is out-of-bounds") and the whole step ran eagerly
+    def fn(x: torch.Tensor) -> list[torch.Tensor]:
+        return [torch.cat((x[..., :8] * 2, x[..., 8:]), dim=-1) + 1, torch.cat((x[:, :0], x), dim=1)]
+
+    variants = [[torch.randn(2, n, 8)] for n in (5, 3, 9)]
+    check_sizes(fn, variants[0], {0: (1,)}, variants, compiles)

@@ -468,6 +468,9 @@ class FunctionBuilder(RuntimeSizes):
         )
 
     def concatenate(self, xs: Sequence[Value], dim: int) -> Value:
+        # a piece empty along `dim` adds nothing: IREE 3.13's CPU code fails on one in a dynamic
+        # concatenation ("offset 3 is out-of-bounds: 0 >= 0"; partial rotary over the whole head)
+        xs = [x for x in xs if x.shape[dim] != 0] or list(xs[:1])
         if len(xs) == 1:
             return xs[0]
         shape = list(xs[0].shape)
