@@ -218,6 +218,13 @@ def _constant_pad(ctx: LoweringContext, x: Value, pad: Sequence[int], value: flo
     for i in range(len(pad) // 2):
         # pad lists (low, high) pairs starting from the last dim; negative values crop.
         low[x.rank - 1 - i], high[x.rank - 1 - i] = pad[2 * i], pad[2 * i + 1]
+    if not x.type.is_static and any(a < 0 for a in low + high):
+        # IREE 3.13 cannot legalize a negative pad of a dynamic dim (the gradient of a pad along the
+        # length, MobileBERT's trigram embedding): the crop is a slice, then what remains pads
+        start = [max(0, -lo) for lo in low]
+        limit = [d + min(0, hi) for d, hi in zip(x.shape, high)]
+        x = b.slice(x, start, limit, [1] * x.rank, shape=[hi - lo for lo, hi in zip(start, limit)])
+        low, high = [max(0, a) for a in low], [max(0, a) for a in high]
     return b.pad(x, b.constant(value, x.dtype), low, high, [0] * x.rank, shape=ctx.out_spec.shape)
 
 
@@ -226,10 +233,6 @@ def _constant_pad_check(node: torch.fx.Node) -> str | None:
     pad = node.args[1]
     if not all(isinstance(p, int) for p in pad):     # type: ignore[union-attr]
         return "padding by a size that is not a number"
-    shape = node.args[0].meta["val"].shape           # type: ignore[union-attr]
-    for i, amount in enumerate(pad):                 # type: ignore[arg-type]
-        if amount < 0 and not isinstance(shape[len(shape) - 1 - i // 2], int):
-            return "cropping a dynamic dim (IREE 3.13 cannot legalize a negative pad of one)"
     return None
 
 
