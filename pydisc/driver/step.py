@@ -166,6 +166,7 @@ def _run(trace: Trace, target: LazyTensor | None, defer: bool = False) -> tuple:
         small = _small(trace, executed)
     # the value read needed all that is recorded, or all that can still be observed (a token of `generate()`)
     whole = len(executed) == n
+    observable = None
     if target is not None and not whole and not torch.is_grad_enabled():
         needed, observable = set(executed), set(observable_entries(trace))
         whole = not any(i in observable for i in range(n) if i not in needed)
@@ -180,7 +181,8 @@ def _run(trace: Trace, target: LazyTensor | None, defer: bool = False) -> tuple:
     remaining = [i for i in range(n) if i not in executed_set]
     if remaining:
         # what a read leaves pending and nobody can observe any more is dropped, not kept to the mark
-        observable = set(observable_entries(trace))
+        if observable is None:
+            observable = set(observable_entries(trace))
         remaining = [i for i in remaining if i in observable]
     outputs = select_outputs(trace, executed, remaining)
     device = step_device(trace)

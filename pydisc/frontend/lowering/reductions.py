@@ -88,13 +88,13 @@ def _split(x: Value, dims: Sequence[int]) -> tuple[Size, int, tuple[Size, ...]] 
     if results is None:
         return None
     if type(reduced) is not int:
-        factor = sympy.sympify(reduced).as_coeff_Mul()[0]
+        reduced = sympy.sympify(reduced)
+        factor = reduced.as_coeff_Mul()[0]
         if not factor.is_Integer:
             return None
-        factor = int(factor)
         for k in (1024, 512, 256, 128, 64, 32, 16, 8):
-            if factor % k == 0 and k * results <= 2 ** 20:
-                return sympy.sympify(reduced) / k, k, kept
+            if int(factor) % k == 0 and k * results <= 2 ** 20:
+                return reduced / k, k, kept
         return None
     if reduced < SPLIT_REDUCTION_MIN:
         return None
