@@ -183,6 +183,7 @@ class Binding:
     # a fast-recorded step's (fast_match.py): per template scalar, (the step's scalar index, or None for
     # a constant of its structure, and the value it had)
     scalar_map: list | None = None
+    graph: object = None             # the step at these sizes captured as a CUDA graph (exec/graphs.StepGraph)
 
     def scalar_values(self, trace: Trace) -> list[float]:
         return [value if i is None else trace.scalars[i] for i, value in self.scalar_map]

@@ -158,6 +158,7 @@ def _run(trace: Trace, target: LazyTensor | None, defer: bool = False) -> tuple:
     worker thread (`_deferrable`)."""
     n = len(trace.entries)
     cached = graphed = False
+    binding = None
     small = False
     if target is None:
         executed = list(range(n))
@@ -243,6 +244,8 @@ def _run(trace: Trace, target: LazyTensor | None, defer: bool = False) -> tuple:
                 call_inputs, perm = binding.inputs(trace, scalars), binding.perm
                 binding.template.steps += 1
                 plan = binding.template.plan
+                # one CUDA graph per shape the template runs at (a binding), as for a concrete plan
+                graphed = graphs.enabled(device)
             else:
                 call_inputs, perm = inputs, None
         else:
@@ -259,14 +262,27 @@ def _run(trace: Trace, target: LazyTensor | None, defer: bool = False) -> tuple:
         return id(plan), cached, device, whole
 
     def produce():
-        if graphed:
-            return graphs.run_plan(plan, call_inputs, outputs, device)
-        return plan.runner(*call_inputs)
+        if not graphed:
+            return plan.runner(*call_inputs)
+        if binding is None:
+            return graphs.run_plan(plan, plan.runner, call_inputs, lambda: _written_inputs(outputs), device)
+        return graphs.run_plan(binding, plan.runner, call_inputs, lambda: _written_inputs(outputs, binding), device,
+                               shape=True)
 
     results, plan = _outcome(plan, produce, trace, executed, outputs, inputs, perm, key, device, check)
     _count_step(plan)
     bind(trace, outputs, results, executed, remaining)
     return (id(plan) if key is not None else None), cached, device, whole
+
+
+def _written_inputs(outputs: tuple, binding: Binding | None = None) -> dict[int, int]:
+    """For `graphs.run_plan`: the plan's outputs that are new values of its inputs (parameters, optimizer
+    state), as {output position: input position}, in the terms of the runner (a template's for a binding)."""
+    written = {k: index for k, (kind, index) in enumerate(outputs) if kind == "base"}
+    if binding is None:
+        return written
+    position = {j: i for i, j in enumerate(binding.storage_order) if type(j) is int}
+    return {binding.perm[k]: position[index] for k, index in written.items() if index in position}
 
 
 def _outcome(plan: StepPlan, produce, trace: Trace, executed: list[int], outputs: tuple, inputs: list, perm,
