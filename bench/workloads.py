@@ -501,6 +501,7 @@ def run_one(name: str, args) -> dict:
         pydisc.reset_metrics()
         live = list(modes)
         spent = {m.name: 0.0 for m in modes}
+        turns = {m.name: [] for m in modes}      # each turn's time per step
         compile_wait = 0.0
         for start in range(0, len(order), args.varlen_chunk):
             for m in list(live):
@@ -524,8 +525,13 @@ def run_one(name: str, args) -> dict:
                     live.remove(m)
                     continue
                 spent[m.name] += time.perf_counter() - t
+                turns[m.name].append((time.perf_counter() - t) / len(order[start:start + args.varlen_chunk]))
         for m in live:
             row[m.name] = spent[m.name] / len(order)
+            # the steady state, once every length has compiled: the last half of the turns, but the very last
+            # (it ends with a read)
+            late = turns[m.name][len(turns[m.name]) // 2:-1] or turns[m.name][-1:]
+            row["late " + m.name] = sum(late) / len(late)
             row["loss " + m.name] = m.value()
             _progress("%s: %s %.1f s" % (name, m.name, spent[m.name]))
         row["steps"] = len(order)
@@ -631,6 +637,9 @@ def table(rows: list[dict]) -> str:
             notes.append("- %s: %d steps in all, compiles included: %s%s" % (
                 r["name"], r["steps"], totals, "; pydisc's background compiles waited for outside the turns: "
                 "%.1f s" % r["compile wait s"] if r.get("compile wait s") else ""))
+            late = ", ".join("%s %.2f ms" % (m, 1e3 * r["late " + m]) for m in MODES if "late " + m in r)
+            if late:
+                notes.append("- %s: per step in the last half of the turns (all compiled by then): %s" % (r["name"], late))
         ratio = (lambda a, b: "%.2f" % (a / b) if a and b else "-")
         # steps run eagerly (kept so by the step choice, or while plans were built in the background)
         # record (almost) nothing: their time per op is not recording
