@@ -46,7 +46,7 @@ from ..config import CONFIG
 from ..diagnostics import log, warn_once
 from ..metrics import METRICS
 
-__all__ = ["StepGraph", "release_memory", "run_plan"]
+__all__ = ["StepGraph", "make_room", "release_memory", "run_plan"]
 
 CAPTURE_AT = 3      # the plan's run that is captured: its clusters measured themselves on the 2nd
 MAX_CAPTURES = 6    # captures per plan (each one stages the inputs that moved): then kernel by kernel
@@ -93,6 +93,7 @@ class StepGraph:
         self.outputs: list = []
         self.clone: list[bool] = []
         self.counted: dict[str, int] = {}
+        self.nbytes = 0       # the memory its capture took (the graph's pool), about
         _LIVE.add(self)
 
     def release(self) -> None:
@@ -171,7 +172,9 @@ class StepGraph:
             return outs
 
         before = {name: getattr(METRICS, name) for name in _COUNTED}
+        reserved = _reserved(self.device)
         graph, outputs = _capture_graph(runner, args, self.device)
+        self.nbytes = max(_reserved(self.device) - reserved, 0)
         self.counted = {name: getattr(METRICS, name) - before[name] for name in _COUNTED}
         outputs = list(outputs)
         direct_storages = {inputs[k].untyped_storage().data_ptr() for k, _ in self.direct}
@@ -202,9 +205,22 @@ class StepGraph:
                   "kernel by kernel, correct but with more host time per step" % reason)
 
 
+def make_room(device: torch.device | None) -> None:
+    """Before eager steps that may come back to the captured ones (the step choice's eager windows): the
+    graphs keep their memory where the device has that much free besides, so that the compiled steps
+    after the window replay at once rather than capture again (a dynamic-shape template captures a graph
+    per shape); else `release_memory`."""
+    if device is not None and device.type == "cuda":
+        held = sum(g.nbytes for g in list(_LIVE) if g.graph is not None)
+        if held and torch.cuda.mem_get_info(device)[0] >= held:
+            return
+    release_memory()
+
+
 def release_memory() -> None:
     """Free the memory that captured steps hold (each graph keeps its step's): when steps run eagerly
-    instead (the step choice's eager windows, or eager kept for good), eager needs that memory."""
+    instead (eager kept for good, or an eager window where memory is short: `make_room`), eager needs that
+    memory."""
     _SHAPES.clear()
     released = [g for g in list(_LIVE) if g.graph is not None]
     for g in released:
@@ -238,6 +254,10 @@ def _capture_graph(runner, args: list, device: torch.device):
             raise
     torch.cuda.current_stream(device).wait_stream(stream)
     return graph, outputs
+
+
+def _reserved(device: torch.device) -> int:
+    return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
 
 
 def _end_generator_capture(device: torch.device) -> None:

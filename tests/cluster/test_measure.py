@@ -434,6 +434,47 @@ def test_step_choice_windows_take_turns_and_the_fastest_counts(step_choice_cpu, 
     assert "-> eager" in run([{"compiled": 0.020, "eager": 0.010}] * 10, then_plan=True)
 
 
+def test_a_compiled_window_that_captured_a_cuda_graph_is_timed_again(step_choice_cpu, monkeypatch):
+    # A dynamic-shape template captures a CUDA graph per shape, at that shape's third run, which can fall
+    # in a timed compiled window (each length of a variable-length loop at its own step). Like a compile,
+    # that one step is not what the steps cost: the window is timed again from there, at most
+    # `RECAPTURED` times per measurement. Driven directly, a capture costing 0.5 s in the second timed
+    # step of every compiled phase; before, every compiled window held one and eager was kept.
+    from pydisc.driver import step_choice
+    from pydisc.frontend.lazy_tensor import RECORDER
+    from pydisc.metrics import METRICS
+
+    clock = [0.0]
+    monkeypatch.setattr(step_choice, "_now", lambda device, settle=True: clock[0])
+    monkeypatch.setattr(step_choice, "release_all", lambda into=None, kept_into=None: (0, 0))
+    cpu = torch.device("cpu")
+
+    def run(captures_per_phase: int) -> str:
+        step_choice.reset()
+        pydisc.reset_metrics()
+        for k in range(3):
+            step_choice.after_mark_step(("plan",), True, cpu)
+        phase, in_phase = None, 0
+        for _ in range(80):
+            mode = "eager" if RECORDER.passthrough else "compiled"
+            in_phase = in_phase + 1 if mode == phase else 1
+            phase = mode
+            clock[0] += 0.012 if mode == "eager" else 0.010
+            if mode == "compiled" and 2 <= in_phase < 2 + captures_per_phase:
+                METRICS.cuda_graph_captures += 1
+                clock[0] += 0.5
+            step_choice.after_mark_step(None if RECORDER.passthrough else ("plan",), True, cpu)
+            if ENGINE.choice.phase == "decided":
+                return pydisc.metrics()["step_choice"]
+        raise AssertionError("undecided")
+
+    assert run(1) == "compiled 10.00 ms, eager 12.00 ms per step -> compiled"
+    assert ENGINE.choice.recaptured == 2
+    # captures that keep coming (more shapes than graphs kept): timed as they are, after RECAPTURED
+    assert "-> eager" in run(40)
+    assert ENGINE.choice.recaptured == step_choice.RECAPTURED
+
+
 def test_the_probe_skips_steps_of_new_sizes_until_they_keep_coming(step_choice_cpu, monkeypatch):
     # steps recorded op by op only because their sizes were new (`off_path`) are not probed: the next
     # recorded step is, or the `OFF_PATH_STEPS + 1`-th of new sizes in a row (then that is what steps cost)

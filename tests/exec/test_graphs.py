@@ -352,3 +352,26 @@ def test_each_shape_of_a_template_replays_its_own_graph(device, max_shapes, requ
         assert all(b.graph.kept and b.graph.direct for b in bound if b.graph.graph is not None)
     finally:
         pstep.clear_plans()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_eager_windows_keep_the_graphs_where_the_device_has_room(device, request, monkeypatch):
+    """Before the step choice's eager windows (`make_room`): on a GPU with as much free memory as the
+    graphs hold, they are kept, so that the compiled steps after the window replay rather than capture
+    again; short of memory, or off a GPU, they are given back."""
+    if device == "cpu":
+        request.getfixturevalue("fake_graphs")
+    a = torch.ones(256, 256, device=device)
+    g = graphs.StepGraph(lambda x: [x @ x + 1], torch.device(device), {})
+    for _ in range(graphs.CAPTURE_AT):
+        g([a])
+    assert g.graph is not None
+    graphs.make_room(torch.device(device))
+    if device == "cuda":
+        assert g.graph is not None and g.nbytes > 0
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (g.nbytes - 1, 10 * g.nbytes))
+        graphs.make_room(torch.device(device))
+    assert g.graph is None
+    torch.testing.assert_close(g([a])[0], a @ a + 1)
+    assert g.graph is not None      # captured again
+    graphs.release_memory()
