@@ -36,6 +36,7 @@ import copy
 import json
 import math
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -362,6 +363,19 @@ class Mode:
         return float(v.float().mean().item() if v.dim() else v.item())
 
 
+def varlen_order(batches: list, steps: int) -> list:
+    """`steps` batches: every length once in each round of `len(batches)`, in an order shuffled per round
+    (seeded), so no length follows the same one every time. (The order before, `(5k + k // 3) % 4`, never
+    took the fourth length: the 128/120/112/104 rows until 2026-12-06 ran 128/120/112 only.)"""
+    rng = random.Random(0)
+    order: list = []
+    while len(order) < steps:
+        round_ = list(batches)
+        rng.shuffle(round_)
+        order += round_
+    return order[:steps]
+
+
 def _block_steps(modes: list, batches: list, device: torch.device, args) -> int:
     """Steps per timed block: `--block`, or more where a block of them would last less than
     `--min-block-ms`. A block starts after a synchronisation, as a training loop's steps do after it
@@ -497,7 +511,7 @@ def run_one(name: str, args) -> dict:
         # The modes take turns, `--varlen-chunk` steps each, and each mode's time is the sum of its
         # chunks: one mode's 200 steps after another's ran 3-6% faster on the H200's host than the same
         # steps before them, in either order.
-        order = [batches[(k * 5 + k // 3) % len(batches)] for k in range(args.varlen_steps)]
+        order = varlen_order(batches, args.varlen_steps)
         pydisc.reset_metrics()
         live = list(modes)
         spent = {m.name: 0.0 for m in modes}
