@@ -125,6 +125,7 @@ def after_mark_step(key, cached: bool, device: torch.device | None, recorded: fl
         s.reprobes += 1
         s.probed, s.recorded_steps = None, 0
         s.phase, s.streak, s.times = "idle", 0, {"compiled": [], "eager": []}
+        s.recaptured = 0
         log("plans", "step choice: steps now recorded %s, probed again", "fast" if fused else "op by op")
     if recorded and s.recorded_steps < PROBE_AFTER and s.phase == "idle" and device is not None and \
             applies(CONFIG.step_choice, device) and not distributed():
@@ -317,7 +318,7 @@ def _watch(s: ChoiceState, key) -> None:
         s.again = "measured again (compiled steps took %.2f ms, against %.2f in the windows): " % (
             1e3 * per_step, 1e3 * s.kept_compiled)
         s.kept_compiled = None
-        s.phase, s.steps = "compiled", 0
+        s.phase, s.steps, s.recaptured = "compiled", 0, 0
         s.times = {"compiled": [], "eager": []}
         s.window_keys = set()
 

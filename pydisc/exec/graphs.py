@@ -54,7 +54,9 @@ MAX_SHAPE_GRAPHS = 8    # a dynamic-shape template's shapes whose graphs keep th
 _COUNTED = ("executions", "executions_torch_mlir", "direct_launches")   # what a replay repeats
 _STREAMS: dict = {}
 _LIVE: "weakref.WeakSet[StepGraph]" = weakref.WeakSet()
-_SHAPES: "dict[int, StepGraph]" = {}    # the graphs of templates' shapes, by id, the last run last
+# the captured graphs of templates' shapes, by id, the last run last (weakly: a binding dropped from the
+# plans takes its graph, and the graph's memory, with it)
+_SHAPES: "dict[int, weakref.ref[StepGraph]]" = {}
 
 
 def run_plan(owner, runner, inputs: list, written, device: torch.device, shape: bool = False) -> list:
@@ -63,17 +65,20 @@ def run_plan(owner, runner, inputs: list, written, device: torch.device, shape: 
     new values of inputs ({output position: input position}: parameters, optimizer state): inside the
     graph those copies are its last work, and the input itself is returned.
 
-    A template has a graph per shape it runs at; only the `MAX_SHAPE_GRAPHS` shapes run last keep theirs
+    A template has a graph per shape it runs at; only the `MAX_SHAPE_GRAPHS` captured shapes run last keep theirs
     (and its memory); another one's is captured again when its shape comes back."""
     graph = owner.graph
     if graph is None or graph.runner is not runner:
         graph = owner.graph = StepGraph(runner, device, written())
-    if shape:
+    results = graph(inputs)
+    if shape and graph.graph is not None:
         _SHAPES.pop(id(graph), None)
-        _SHAPES[id(graph)] = graph
-        for key in list(_SHAPES)[:-MAX_SHAPE_GRAPHS]:   # the shapes that ran longest ago
-            _SHAPES.pop(key).release()
-    return graph(inputs)
+        _SHAPES[id(graph)] = weakref.ref(graph)
+        for key in list(_SHAPES)[:-MAX_SHAPE_GRAPHS]:   # the captured shapes that ran longest ago
+            old = _SHAPES.pop(key)()
+            if old is not None:
+                old.release()
+    return results
 
 
 class StepGraph:
@@ -172,9 +177,10 @@ class StepGraph:
             return outs
 
         before = {name: getattr(METRICS, name) for name in _COUNTED}
-        reserved = _reserved(self.device)
+        reserved = _reserved(self.device)     # (after the cached free blocks went back: the pool's own)
         graph, outputs = _capture_graph(runner, args, self.device)
-        self.nbytes = max(_reserved(self.device) - reserved, 0)
+        if self.device.type == "cuda":
+            self.nbytes = max(torch.cuda.memory_reserved(self.device) - reserved, 0)
         self.counted = {name: getattr(METRICS, name) - before[name] for name in _COUNTED}
         outputs = list(outputs)
         direct_storages = {inputs[k].untyped_storage().data_ptr() for k, _ in self.direct}
@@ -257,7 +263,13 @@ def _capture_graph(runner, args: list, device: torch.device):
 
 
 def _reserved(device: torch.device) -> int:
-    return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+    """The memory torch's allocator holds on `device`, its free cached blocks handed back first (as
+    `_capture_graph` does): before a capture, what the capture then adds is the graph's pool."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved(device)
 
 
 def _end_generator_capture(device: torch.device) -> None:
