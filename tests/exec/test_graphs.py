@@ -5,6 +5,9 @@ each replay runs the runner again on the arguments it was captured with and writ
 buffers, as a CUDA graph replays its kernels on fixed addresses. That checks what pydisc does around
 the graph: which inputs are read in place and which are copied in, captures again when an input
 moves, clones what it hands out, gives up cleanly. The real capture is tested on the GPU (`cuda`)."""
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -376,3 +379,40 @@ def test_eager_windows_keep_the_graphs_where_the_device_has_room(device, request
     torch.testing.assert_close(g([a])[0], a @ a + 1)
     assert g.graph is not None      # captured again
     graphs.release_memory()
+
+
+def test_shapes_run_once_do_not_push_out_the_captured_ones(fake_graphs, monkeypatch):
+    """Only captured shapes count toward `MAX_SHAPE_GRAPHS`: lengths seen once (never captured) leave the
+    graphs of the lengths that recur alone; a new captured shape gives back the graph of the captured
+    shape run longest ago; a shape whose binding is dropped takes its graph with it."""
+    monkeypatch.setattr(graphs, "MAX_SHAPE_GRAPHS", 2)
+
+    class Owner:     # a binding, as far as run_plan is concerned
+        graph = None
+
+    cpu = torch.device("cpu")
+    a = torch.ones(3)
+
+    def runner(x):       # the template's plan
+        return [x * 2]
+
+    def run(owner):
+        out = graphs.run_plan(owner, runner, [a], dict, cpu, shape=True)[0]
+        torch.testing.assert_close(out, a * 2)
+
+    common = [Owner(), Owner()]
+    for _ in range(graphs.CAPTURE_AT):
+        for owner in common:
+            run(owner)
+    assert all(owner.graph.graph is not None for owner in common)
+    for _ in range(5):
+        run(Owner())                 # a length seen once
+    assert all(owner.graph.graph is not None for owner in common)
+    third = Owner()
+    for _ in range(graphs.CAPTURE_AT):
+        run(third)
+    assert common[0].graph.graph is None and common[1].graph.graph is not None and third.graph.graph is not None
+    held = weakref.ref(third.graph)
+    del third
+    gc.collect()
+    assert held() is None
