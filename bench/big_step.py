@@ -70,7 +70,7 @@ def main() -> int:
     _timed(pydisc.exec.compiler, "_compile", totals, calls)       # iree-compile itself
     _timed(pydisc.exec, "compile_module", totals, calls)          # compile + load (or cache hit)
     # plan on this thread, so that cProfile sees it (mark_step is not called from inside dispatch here)
-    pydisc.driver.step.build_plan = pydisc.driver.plan._build
+    pydisc.driver.planning.build_plan = pydisc.driver.plan._build
 
     torch.manual_seed(0)
     w, x = torch.randn(8, 8) * 0.3, torch.randn(4, 8)

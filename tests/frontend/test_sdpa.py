@@ -181,7 +181,7 @@ def test_numerics_check_catches_a_decomposition_that_feeds_an_eager_backward_wro
 def test_numerics_check_catches_a_wrong_value_outside_every_cluster(monkeypatch, fresh_plans) -> None:
     """An eager op of the plan (not in any cluster) made to return a wrong value is seen by the check of
     the whole step, which the per-cluster check cannot see."""
-    from pydisc.driver import step as step_module
+    from pydisc.driver import planning as step_module
 
     monkeypatch.setattr(CONFIG, "check_every", 1)
     original = step_module.build_plan
