@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.utils import _pytree as pytree
 
 from ..config import CONFIG
 from ..frontend.fast import set_gate as set_fast_gate
@@ -32,7 +33,7 @@ from ..frontend.symbolic import SymExpr
 from ..frontend.trace import RealRef, ScalarRef, Trace, ValueRef
 from .engine import ENGINE
 
-__all__ = ["mark_dynamic", "Template", "Binding", "clear"]
+__all__ = ["mark_dynamic", "Template", "Binding", "MadeBy", "Recomputed", "StepReal", "clear"]
 
 
 def mark_dynamic(t: torch.Tensor, dim: int | list[int] | tuple[int, ...]) -> torch.Tensor:
@@ -177,7 +178,8 @@ class Binding:
     view_sizes: dict                 # template storage index -> concrete size of the viewed input
     storage_order: list              # template storage index -> concrete one (None: not read; fast_match.py:
                                      # or a source)
-    real_order: list                 # template real index -> concrete real index (fast_match.py: or a source)
+    real_order: list                 # template real index -> concrete real index (fast_match.py: or a source,
+                                     # `_derived`)
     perm: list                       # concrete output k -> template output index
     sizes: dict                      # symbol -> value (for reports)
     # a fast-recorded step's (fast_match.py): per template scalar, (the step's scalar index, or None for
@@ -206,8 +208,48 @@ def _storage(source, trace: Trace) -> torch.Tensor:
     return flat_base(trace.entries[entry].fn.evaluated[fid])
 
 
-def _derived(source: tuple, trace: Trace) -> torch.Tensor:
+@dataclass(frozen=True)
+class StepReal:
+    """In a `Recomputed` op's arguments: the step's eager input `index`."""
+    index: int
+
+
+@dataclass(frozen=True)
+class MadeBy:
+    """In a `Recomputed` op's arguments: output `output` (in pytree order) of its op `op`."""
+    op: int
+    output: int
+
+
+@dataclass(frozen=True)
+class Recomputed:
+    """An eager input of a fast-recorded step's binding (fast_match.py) that torch made inside a call from
+    the step's own eager inputs (`F.scaled_dot_product_attention` turns an eager boolean mask into an
+    additive float one): the ATen ops that made it, run again on each step's inputs."""
+    ops: tuple      # (op, args, kwargs), the tensors in them `StepReal` or `MadeBy` an earlier op
+    result: MadeBy
+
+    def __call__(self, trace: Trace) -> torch.Tensor:
+        made: list[list] = []
+
+        def arg(a):
+            if type(a) is StepReal:
+                return trace.real_inputs[a.index]
+            if type(a) is MadeBy:
+                return made[a.op][a.output]
+            return a
+
+        with torch.no_grad():
+            for op, args, kwargs in self.ops:
+                args, kwargs = pytree.tree_map(arg, (args, kwargs))
+                made.append(pytree.tree_leaves(op(*args, **kwargs)))
+        return arg(self.result)
+
+
+def _derived(source, trace: Trace) -> torch.Tensor:
     """An eager input of a fast-recorded step's binding (fast_match.py) that is not one of its own."""
+    if type(source) is Recomputed:
+        return source(trace)
     if source[0] == "const":
         return source[1]
     _, index, size, stride, offset = source

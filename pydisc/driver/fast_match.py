@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..frontend.foreach import SplitForeach
 from ..frontend.fused import XV, FusedStep, autograd_dispatched
@@ -32,7 +33,7 @@ from ..frontend.layout import contiguous_strides, flat_base, numel, view_of_base
 from ..frontend.lazy_tensor import RECORDER, LazyTensor
 from ..frontend.trace import LazyStorage, RealRef, ScalarRef, Trace, ValueRef
 from ..metrics import METRICS
-from .dynamic import Binding
+from .dynamic import Binding, MadeBy, Recomputed, StepReal
 from .engine import ENGINE
 from .slices import observable_entries
 from .template_match import match_template
@@ -125,7 +126,7 @@ def _expand(trace: Trace, outputs: tuple) -> _Expansion:
     rec.trace, rec.prune_at, rec.carried_dims, rec.capture_sources, rec.executor = x, 1 << 62, None, False, _no_reads
     try:
         with torch._C.DisableTorchFunctionSubclass():
-            env, scalar_of, made, read = _replay(trace, x)
+            env, scalar_of, made, read, log = _replay(trace, x)
         if not _same_rng(rng, _rng_states(trace)):
             # a call's Python code drew random numbers into an eager tensor (`F.fractional_max_pool2d`'s
             # samples): drawn again here, which eager did not, and kept for later steps, which it must not
@@ -141,7 +142,7 @@ def _expand(trace: Trace, outputs: tuple) -> _Expansion:
                 raise _Unexpandable("an input storage the fast step does not read")
             storage_of[j] = source
         budget = [CONSTANT_BYTES]
-        real_of = {j: _real_source(trace, t, x.real_versions[j], made, budget)
+        real_of = {j: _real_source(trace, t, x.real_versions[j], made, budget, log)
                    for j, t in enumerate(x.real_inputs)}
         x_outputs = _outputs(trace, outputs, x, env, x_index)
         needed = observable_entries(x, {id(x.storages[v]) for kind, v in x_outputs if kind == "value"})
@@ -194,15 +195,18 @@ def _restore_rng(states: list) -> None:
             torch.cuda.set_rng_state(state, device)
 
 
-def _real_source(trace: Trace, t: torch.Tensor, version: int, made: dict, budget: list):
+def _real_source(trace: Trace, t: torch.Tensor, version: int, made: dict, budget: list, log: _EagerOps):
     """What the fast step passes for an eager tensor `t` of the ATen-level trace (`version`: its version
     when the trace took it): its own eager input (the same tensor); a view torch took of one inside a
-    call (per step, of that step's tensor); or `t` itself, a constant of the fast step's structure, where
+    call (per step, of that step's tensor); `t` itself, a constant of the fast step's structure, where
     torch made it inside a call from what the step's key holds: from lazy tensors' sizes and Python
     values alone (a call without eager tensor arguments: a causal mask), or a Python number wrapped as a
-    tensor (`torch.where(mask, x, -inf)`: a single number equal to a float argument). A single number
-    made in the backward is one too where the step has no single-number eager input (of whose value it
-    could be made: `x ** t`'s gradient takes `t - 1`). `budget`: bytes left for constants."""
+    tensor (`torch.where(mask, x, -inf)`: a single number equal to a float argument); or, where torch made
+    it inside a call by ATen ops that `log` saw, from the step's eager inputs (the additive float mask that
+    `F.scaled_dot_product_attention` makes of an eager boolean one), those ops, run again on each step's
+    inputs (`Recomputed`; also a constant too large to keep). A single number made in the backward is a
+    constant too where the step has no single-number eager input (of whose value it could be made:
+    `x ** t`'s gradient takes `t - 1`). `budget`: bytes left for constants."""
     i = trace.real_index.get(id(t))
     if i is not None:
         return i
@@ -223,11 +227,86 @@ def _real_source(trace: Trace, t: torch.Tensor, version: int, made: dict, budget
     else:       # made in the backward: from a backward formula's numbers, or from an eager scalar's value
         constant = t.numel() == 1 and not any(r.numel() == 1 for r in trace.real_inputs)
     nbytes = t.numel() * t.element_size()
+    if (not constant or nbytes > budget[0]) and call is not None:
+        recomputed = _recomputed(t, trace, log)
+        if recomputed is not None:
+            return recomputed
     if not constant or nbytes > budget[0]:
         raise _Unexpandable("an eager tensor of shape %s that torch made inside a call from the step's "
                             "eager inputs" % (tuple(t.shape),))
     budget[0] -= nbytes
     return ("const", t)
+
+
+class _EagerOps(TorchDispatchMode):
+    """While a fast step's forward is dispatched again (`_fused`): the ATen ops torch runs on eager tensors
+    alone inside the calls, and which of them made each eager tensor (`made`: its id -> (op index, output
+    position, the tensor's version then)), for `_recomputed`. The ops on lazy tensors pass through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list = []         # (op, args, kwargs); holding them keeps the ids in `made` unique
+        self.made: dict = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not any(type(a) is LazyTensor for a in pytree.tree_leaves((args, kwargs))):
+            k = len(self.ops)
+            self.ops.append((func, args, kwargs, out))
+            for j, o in enumerate(pytree.tree_leaves(out)):
+                if isinstance(o, torch.Tensor):
+                    self.made[id(o)] = (k, j, o._version)
+        return out
+
+
+# At most this many ATen ops make an eager tensor again at each step (`_recomputed`)
+MAX_RECOMPUTED_OPS = 16
+_UNINITIALIZED = {torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.empty_strided,
+                  torch.ops.aten.new_empty, torch.ops.aten.new_empty_strided}
+
+
+class _NotRecomputable(Exception):
+    pass
+
+
+def _recomputed(t: torch.Tensor, trace: Trace, log: _EagerOps) -> Recomputed | None:
+    """The ATen ops `log` saw make `t` from the fast step's own eager inputs, to run again at each step
+    (`dynamic.Recomputed`); None where some tensor they read is not one of those inputs or made by such
+    an op, or an op writes, draws random numbers, has a shape of the data or leaves memory unset."""
+    ops: list = []
+    index: dict[int, int] = {}      # the log's op -> its place in `ops`
+
+    def ref(a):
+        if not isinstance(a, torch.Tensor):
+            return a
+        i = trace.real_index.get(id(a))
+        if i is not None:
+            return StepReal(i)
+        where = log.made.get(id(a))
+        if where is None or where[2] != a._version:
+            raise _NotRecomputable
+        k, j, _ = where
+        if k not in index:
+            func, args, kwargs, _ = log.ops[k]
+            if not _recomputable(func) or len(ops) >= MAX_RECOMPUTED_OPS:
+                raise _NotRecomputable
+            args, kwargs = pytree.tree_map(ref, (args, kwargs))
+            index[k] = len(ops)
+            ops.append((func, args, kwargs))
+        return MadeBy(index[k], j)
+
+    try:
+        result = ref(t)
+    except _NotRecomputable:
+        return None
+    return Recomputed(tuple(ops), result) if type(result) is MadeBy else None
+
+
+def _recomputable(func) -> bool:
+    return isinstance(func, torch._ops.OpOverload) and not func._schema.is_mutable and \
+        torch.Tag.nondeterministic_seeded not in func.tags and torch.Tag.dynamic_output_shape not in func.tags and \
+        func.overloadpacket not in _UNINITIALIZED
 
 
 def _within(t: torch.Tensor, base: torch.Tensor) -> bool:
@@ -296,12 +375,13 @@ def _outputs(trace: Trace, outputs: tuple, x: Trace, env: dict, x_index: dict) -
     return tuple(out)
 
 
-def _replay(trace: Trace, x: Trace) -> tuple[dict, list, dict, dict]:
+def _replay(trace: Trace, x: Trace) -> tuple[dict, list, dict, dict, _EagerOps]:
     """Dispatch `trace`'s entries again, into `x` (the recorder's trace now): {fast value id: the lazy
     tensor of `x` that stands for it}; per scalar of `x` the fast step's index (None: a constant); for
     the eager tensors `x` reads that torch made inside a fused call, {id: (whether the call had eager
     tensor arguments, the Python numbers among them)}; and for the storages of the values a fused
-    forward computed for a read, {id: (("read", its entry, a value of it), the storage)}."""
+    forward computed for a read, {id: (("read", its entry, a value of it), the storage)}; and the ATen
+    ops torch ran on eager tensors alone inside the fused forwards' calls (`_EagerOps`)."""
     env: dict[int, LazyTensor] = {}
     leaves = set()      # values the fused forward differentiates: leaves that require grad, as parameters are
     for e in trace.entries:
@@ -324,6 +404,7 @@ def _replay(trace: Trace, x: Trace) -> tuple[dict, list, dict, dict]:
     scalar_of: list = []
     made: dict = {}
     read: dict = {}
+    log = _EagerOps()
 
     def decode(a, refs: list):
         kind = type(a)
@@ -344,7 +425,7 @@ def _replay(trace: Trace, x: Trace) -> tuple[dict, list, dict, dict]:
         args = [decode(a, refs) for a in e.args]
         kwargs = {k: decode(v, refs) for k, v in e.kwargs.items()}
         if type(e.fn) is FusedStep:
-            out = _fused(e.fn, args, x, made, _read_values(e.fn.evaluated, index, read))
+            out = _fused(e.fn, args, x, made, _read_values(e.fn.evaluated, index, read), log)
             scalar_of += [None] * (len(x.scalars) - before)    # Python floats of its calls: in its key
             if refs:
                 raise _Unexpandable("a lifted scalar read by a fused forward")
@@ -366,7 +447,7 @@ def _replay(trace: Trace, x: Trace) -> tuple[dict, list, dict, dict]:
             for vid, o in zip(e.out_vids, out):
                 if vid is not None:
                     env[vid] = o
-    return env, scalar_of, made, read
+    return env, scalar_of, made, read, log
 
 
 def _read_values(evaluated: dict, index: int, read: dict) -> dict:
@@ -385,11 +466,11 @@ def _read_values(evaluated: dict, index: int, read: dict) -> dict:
     return out
 
 
-def _fused(fused: FusedStep, inputs: list, x: Trace, made: dict, given: dict) -> list:
+def _fused(fused: FusedStep, inputs: list, x: Trace, made: dict, given: dict, log: _EagerOps) -> list:
     """A fused forward and its backward, dispatched: the gradients of its leaves (in their `.grad`, by
     `torch.autograd.backward`, as eager's backward leaves them), then the values alive at its end. Notes
-    in `made` the eager tensors torch made inside each call (`_real_source`). `given`: values computed
-    for a read, taken as they are."""
+    in `made` the eager tensors torch made inside each call, and in `log` the ops that made them
+    (`_real_source`). `given`: values computed for a read, taken as they are."""
     last = [len(x.real_inputs), None]
 
     def note(k: int) -> None:
@@ -403,7 +484,8 @@ def _fused(fused: FusedStep, inputs: list, x: Trace, made: dict, given: dict) ->
             last[1] = (bool(eager), {v for v in leaves if type(v) is float}, eager)
 
     with autograd_dispatched():
-        env = fused.forward(inputs, note, given, fused.read_upto)
+        with log:
+            env = fused.forward(inputs, note, given, fused.read_upto)
         note(len(fused.entries))
         if fused.loss is None:
             return [env[f] for f in fused.outputs]

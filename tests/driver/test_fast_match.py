@@ -196,6 +196,44 @@ def test_gradients_accumulated_over_two_backwards():
     assert m["dynamic_templates"] <= 3, m["recompiles"]
 
 
+class SlidingWindow(torch.nn.Module):
+    """Attention under a boolean causal mask with a sliding window, made in the forward from `torch.arange`
+    over the length, as HF's Mistral and Falcon make theirs: an eager tensor, which
+    `F.scaled_dot_product_attention` turns into an additive float mask inside the call."""
+
+    def __init__(self, vocab: int = 13, dim: int = 16, window: int = 6, changing: bool = False) -> None:
+        super().__init__()
+        self.tok = torch.nn.Embedding(vocab, dim)
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.out = torch.nn.Linear(dim, vocab)
+        self.window = window
+        self.changing = changing    # the window an eager tensor of another value at each call
+        self.calls = 0
+
+    def forward(self, ids, mask):
+        x = self.tok(ids)
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, 2, d // 2).permute(2, 0, 3, 1, 4)
+        pos = torch.arange(t, device=x.device)
+        self.calls += 1
+        window = torch.tensor(2 + self.calls % 5) if self.changing else self.window
+        keep = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < window)
+        h = F.scaled_dot_product_attention(q, k, v, attn_mask=keep[None, None].expand(b, 1, t, t))
+        return self.out(h.transpose(1, 2).reshape(b, t, d))
+
+
+@pytest.mark.parametrize("changing", [False, True], ids=["fixed_window", "window_changes_every_step"])
+def test_an_eager_boolean_mask_made_in_the_forward(changing):
+    """The float mask that torch makes inside the attention call from the eager boolean one is made again
+    from each step's boolean mask, by the same ops: a step of a length seen before, whose mask differs
+    (the window changes), gets its own (kept as the first step's, the parameters differ from eager's at
+    step 8). Before, no template took such a fast step (that tensor came from no input of it) and after
+    two of them the model went back to the dispatcher."""
+    torch.manual_seed(0)
+    m = _train(SlidingWindow(changing=changing), _batches(LENGTHS))
+    _fast_and_matched(m)
+
+
 class Gathered(torch.nn.Module):
     """Features picked by an eager index tensor of the step's data: `x[:, :, index]`."""
 
