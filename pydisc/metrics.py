@@ -71,6 +71,7 @@ class Metrics:
     direct_launch_fallbacks: Counter = field(default_factory=Counter)  # reason -> modules run by IREE's runtime
     cuda_graph_captures: int = 0      # step plans captured as one CUDA graph (exec/graphs.py)
     cuda_graph_replays: int = 0       # steps run as one replay of such a graph
+    cuda_graph_warmups: int = 0       # runs of such a plan before its capture, kernel by kernel
     cuda_graph_fallbacks: Counter = field(default_factory=Counter)  # reason -> plans run kernel by kernel
 
     def snapshot(self) -> dict:

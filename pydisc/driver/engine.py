@@ -56,8 +56,9 @@ class ChoiceState:
         self.device: torch.device | None = None
         self.started = 0.0         # when the timed part of the window started (synchronised)
         self.steps = 0             # steps of that window so far, its untimed first step included
-        self.captures = 0          # CUDA graphs captured before the window's timed steps (METRICS)
-        self.recaptured = 0        # compiled windows timed again because they captured one
+        self.captures = 0          # CUDA graph captures and runs before them, before the window's timed
+                                   # steps (METRICS)
+        self.recaptured = 0        # compiled windows timed again because they held one
         self.times: dict[str, list[float]] = {"compiled": [], "eager": []}   # seconds per step, per window
         self.recorded_steps = 0    # steps that recorded ops, until the probe
         self.probed: bool | None = None    # whether the probed step was fast-recorded (`fused`)

@@ -38,7 +38,8 @@ WATCH = 50      # compiled steps kept: the median time between this many mark_st
 DRIFT = 1.5     # ... and one this many times slower or faster than the compiled windows: measured again
 RECHECKS = 3    # at most this many times per process
 OFF_PATH_STEPS = 8      # steps in a row of new sizes not probed (`after_mark_step`), at most
-RECAPTURED = 4  # compiled windows timed again because a step of theirs was captured as a CUDA graph, at most
+RECAPTURED = 8  # compiled windows timed again because a step of theirs was captured as a CUDA graph or ran
+                # before its capture, at most (a dynamic-shape template at 4 lengths has 12 such steps)
 
 
 def reset() -> None:
@@ -243,23 +244,31 @@ def _window_done(s: ChoiceState, mode: str) -> bool:
     s.steps += 1
     if s.steps == 1:
         s.started = _now(s.device)
-        s.captures = METRICS.cuda_graph_captures
+        s.captures = _graph_warmups()
         return False
     if s.steps <= WINDOW:
         return False
-    if mode == "compiled" and METRICS.cuda_graph_captures != s.captures and s.recaptured < RECAPTURED:
+    if mode == "compiled" and _graph_warmups() != s.captures and s.recaptured < RECAPTURED:
         # a step of the window was captured as a CUDA graph (a shape of a dynamic-shape template run for
-        # the third time), once, like a compile: not what the steps cost. Timed again from here.
+        # the third time), or ran kernel by kernel before its capture (its first two runs), once, like a
+        # compile: not what the steps cost. Timed again from here.
         s.recaptured += 1
         s.steps = 1
         s.started = _now(s.device)
-        s.captures = METRICS.cuda_graph_captures
-        log("plans", "step choice: a compiled window captured a CUDA graph; timed again")
+        s.captures = _graph_warmups()
+        log("plans", "step choice: a compiled window captured a CUDA graph or ran a step before its capture; "
+            "timed again")
         return False
     s.times[mode].append((_now(s.device, settle=mode != "compiled") - s.started) / WINDOW)
     s.steps = 0
     log("plans", "step choice: %s window, %.2f ms per step", mode, 1e3 * s.times[mode][-1])
     return True
+
+
+def _graph_warmups() -> int:
+    """The steps so far that cost what a CUDA graph's capture costs, once: its capture, and the runs before
+    it, kernel by kernel (exec/graphs.py)."""
+    return METRICS.cuda_graph_captures + METRICS.cuda_graph_warmups
 
 
 def distributed() -> bool:

@@ -132,6 +132,7 @@ class StepGraph:
         self.last_ptrs = ptrs
         self.last_storages = storages
         if self.calls < CAPTURE_AT:
+            METRICS.cuda_graph_warmups += 1
             return self.runner(*inputs)
         if self.captures >= MAX_CAPTURES:
             self._give_up("its inputs keep moving (%d captures)" % self.captures)
