@@ -234,6 +234,14 @@ def test_an_eager_boolean_mask_made_in_the_forward(changing):
     _fast_and_matched(m)
 
 
+@pytest.mark.cuda
+def test_an_eager_boolean_mask_made_in_the_forward_on_cuda():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    m = _train(SlidingWindow(changing=True).cuda(), _batches(LENGTHS, device="cuda"))
+    _fast_and_matched(m)
+
+
 class Gathered(torch.nn.Module):
     """Features picked by an eager index tensor of the step's data: `x[:, :, index]`."""
 
