@@ -245,7 +245,7 @@ class _EagerOps(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.ops: list = []         # (op, args, kwargs); holding them keeps the ids in `made` unique
+        self.ops: list = []         # (op, args, kwargs, outputs); holding them keeps the ids in `made` unique
         self.made: dict = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
