@@ -240,7 +240,21 @@ def _run(trace: Trace, target: LazyTensor | None, defer: bool = False) -> tuple:
             if binding is not None:
                 if binding.scalar_map is not None:     # a fast-recorded step's (fast_match.py)
                     scalars = _scalars(binding.scalar_values(trace), device) if binding.scalar_map else None
-                call_inputs, perm = binding.inputs(trace, scalars), binding.perm
+                try:
+                    call_inputs = binding.inputs(trace, scalars)
+                except Exception as exc:     # noqa: BLE001 - an eager input made again by torch (dynamic.Recomputed)
+                    # torch refused this step what it made for an earlier one: the step runs eagerly (where
+                    # torch raises again if the user's own op does), and its structure is matched anew
+                    warn_once("binding:" + type(exc).__name__,
+                              "pydisc: passing a step's inputs to its dynamic-shape plan failed (%s: %s); the "
+                              "step runs eagerly" % (type(exc).__name__, exc))
+                    METRICS.compile_failures["binding:" + type(exc).__name__] += 1
+                    ENGINE.plans.pop(key, None)
+                    binding = None
+                    plan = StepPlan(program_from_trace(trace, executed, outputs))
+                    call_inputs, perm = inputs, None
+            if binding is not None:
+                perm = binding.perm
                 binding.template.steps += 1
                 plan = binding.template.plan
                 # one CUDA graph per shape the template runs at (a binding), as for a concrete plan

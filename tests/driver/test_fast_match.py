@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 import pydisc
 from pydisc.config import CONFIG
-from pydisc.driver import fast_match, step_choice
+from pydisc.diagnostics import PydiscWarning
+from pydisc.driver import dynamic, fast_match, step_choice
 from pydisc.driver.step import clear_plans
 from pydisc.frontend.lazy_tensor import RECORDER
 
@@ -232,6 +233,19 @@ def test_an_eager_boolean_mask_made_in_the_forward(changing):
     torch.manual_seed(0)
     m = _train(SlidingWindow(changing=changing), _batches(LENGTHS))
     _fast_and_matched(m)
+
+
+def test_an_eager_input_torch_refuses_to_make_again_runs_the_step_eagerly(monkeypatch):
+    """Where making a served step's float mask again raises (it has not been seen to), that step runs
+    eagerly, warned once and counted, with eager's results, and its structure is matched anew."""
+    def refuse(self, trace):
+        raise RuntimeError("refused")
+
+    monkeypatch.setattr(dynamic.Recomputed, "__call__", refuse)
+    torch.manual_seed(0)
+    with pytest.warns(PydiscWarning, match="passing a step.s inputs to its dynamic-shape plan failed"):
+        m = _train(SlidingWindow(changing=True), _batches(LENGTHS))     # (compares the parameters every step)
+    assert m["compile_failures"]["binding:RuntimeError"] >= 4, m["compile_failures"]
 
 
 @pytest.mark.cuda
