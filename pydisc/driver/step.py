@@ -235,8 +235,6 @@ def _run(trace: Trace, target: LazyTensor | None, defer: bool = False) -> tuple:
                 elif not planning.build_template(binding, device):
                     ENGINE.plans.pop(key, None)   # this step's sizes break a guard that planning added
                     binding = None
-                if binding is None:   # eagerly, this once
-                    plan = StepPlan(program_from_trace(trace, executed, outputs))
             if binding is not None:
                 if binding.scalar_map is not None:     # a fast-recorded step's (fast_match.py)
                     scalars = _scalars(binding.scalar_values(trace), device) if binding.scalar_map else None
@@ -251,15 +249,14 @@ def _run(trace: Trace, target: LazyTensor | None, defer: bool = False) -> tuple:
                     METRICS.compile_failures["binding:" + type(exc).__name__] += 1
                     ENGINE.plans.pop(key, None)
                     binding = None
-                    plan = StepPlan(program_from_trace(trace, executed, outputs))
-                    call_inputs, perm = inputs, None
             if binding is not None:
                 perm = binding.perm
                 binding.template.steps += 1
                 plan = binding.template.plan
                 # one CUDA graph per shape the template runs at (a binding), as for a concrete plan
                 graphed = graphs.enabled(device)
-            else:
+            else:   # eagerly, this once
+                plan = StepPlan(program_from_trace(trace, executed, outputs))
                 call_inputs, perm = inputs, None
         else:
             call_inputs, perm = inputs, None

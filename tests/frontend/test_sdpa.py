@@ -16,6 +16,7 @@ from torch._decomp import core_aten_decompositions
 
 import pydisc
 from pydisc.config import CONFIG
+from pydisc.driver import planning
 from pydisc.frontend import decompositions
 
 aten = torch.ops.aten
@@ -181,10 +182,8 @@ def test_numerics_check_catches_a_decomposition_that_feeds_an_eager_backward_wro
 def test_numerics_check_catches_a_wrong_value_outside_every_cluster(monkeypatch, fresh_plans) -> None:
     """An eager op of the plan (not in any cluster) made to return a wrong value is seen by the check of
     the whole step, which the per-cluster check cannot see."""
-    from pydisc.driver import planning as step_module
-
     monkeypatch.setattr(CONFIG, "check_every", 1)
-    original = step_module.build_plan
+    original = planning.build_plan
 
     def build_plan(*args, **kwargs):
         plan = original(*args, **kwargs)
@@ -196,7 +195,7 @@ def test_numerics_check_catches_a_wrong_value_outside_every_cluster(monkeypatch,
                 return plan
         raise AssertionError("no eager sin in the plan")
 
-    monkeypatch.setattr(step_module, "build_plan", build_plan)
+    monkeypatch.setattr(planning, "build_plan", build_plan)
     monkeypatch.setattr(CONFIG, "cpu_matmul", "torch")    # the matmuls run in torch, between the clusters
     monkeypatch.setattr(CONFIG, "min_cluster_ops", 2)     # and the lone sin stays out of every cluster
     x = pydisc.to_lazy(torch.randn(8, 8))
