@@ -16,6 +16,10 @@ time). Eager and pydisc take turns in blocks of 10 steps, so the ratios see the 
 column is the ratio of a pydisc block's wall time (up to `pydisc.synchronize()` after its last step) to
 the eager block's before it, the statistic taken over blocks.
 
+The last column, the floor, is what the step's own Python costs (module calls, the optimizer's code,
+autograd's API) when every torch call returns at once a result prepared for it (`_Prepared`): the least
+any recorder at `__torch_function__` can cost, against the eager step, taking turns with it too.
+
     python bench/record_overhead.py [--repeats 50] [--stat median|min] [--fast both|on|off]
         [--models mlp,block,gpt-char,bert-mlm,bert-mlm-dropout,hf-gpt2,hf-gpt2-dropout]
     PYDISC_ASYNC=0 python bench/record_overhead.py ...     # mark_step returns when the step has run
@@ -225,6 +229,126 @@ def measure(workload: Workload, repeats: int, warmup: int, stat: Callable[[list[
                   stat(blocks) * ms(eager_s))
 
 
+class _Prepared(torch.Tensor):
+    """A tensor whose every torch call returns, at once, the result prepared for that call's place in
+    the step (`PreparedStep`): no recording, no key, no bookkeeping. What a step of these costs is
+    what the step's own Python costs (module calls, the optimizer's code, autograd's API) when each
+    call does nothing: the least any recorder at `__torch_function__` can cost."""
+
+    step: "PreparedStep | None" = None
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, requires_grad: bool = False):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, like.shape, strides=like.stride(), dtype=like.dtype, device="cpu",
+            requires_grad=requires_grad and like.dtype.is_floating_point)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            if func in _PASSED or getattr(func, "__name__", "") in ("__get__", "__set__"):
+                return func(*args, **(kwargs or {}))     # sizes, attributes, `.grad` read and written
+            return cls.step.result(func, args, kwargs or {})
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError("prepared tensors run no ops")
+
+
+_PASSED = {getattr(torch.Tensor, name) for name in (
+    "size", "dim", "stride", "numel", "element_size", "is_floating_point", "is_complex", "is_contiguous",
+    "storage_offset", "__len__", "__hash__")}
+
+
+def _meta(a):
+    if isinstance(a, torch.Tensor):
+        return torch.empty_strided(tuple(a.shape), a.stride(), dtype=a.dtype, device="meta")
+    return torch.device("meta") if isinstance(a, torch.device) else a
+
+
+class PreparedStep:
+    """The results of a step's calls, in call order: made on the first step from the calls' meta
+    kernels, handed back as they are on every later step. `backward()` gives each parameter its
+    prepared gradient."""
+
+    def __init__(self, grads: list) -> None:
+        self.grads = grads          # [(parameter, its prepared gradient)]
+        self.results: list = []
+        self.position = 0
+        self.changes = 0            # steps whose calls differed from the step before (the first SGD step)
+
+    def start(self) -> None:
+        self.position = 0
+        _Prepared.step = self
+
+    def result(self, func, args, kwargs):
+        if func is torch.Tensor.backward:
+            for p, g in self.grads:
+                p.grad = g
+            return None
+        k, self.position = self.position, self.position + 1
+        if k < len(self.results):
+            made, out, iterates = self.results[k]
+            if made is func:
+                return iter(out) if iterates else out
+            del self.results[k:]        # (SGD's first step makes the momentum buffers)
+            self.changes += 1
+        try:
+            out = func(*map(_meta, args), **{name: _meta(v) for name, v in kwargs.items()})
+        except NotImplementedError:     # an in-place foreach op reaches no kernel for lists of these
+            out = None
+        iterates = hasattr(out, "__next__")     # `q, k, v = t` calls `unbind`'s iterator
+        out = tuple(out) if iterates else out
+        if isinstance(out, torch.Tensor):
+            out = _Prepared(out, True)
+        elif isinstance(out, (tuple, list)):
+            out = type(out)(_Prepared(o, True) if isinstance(o, torch.Tensor) else o for o in out)
+        self.results.append((func, out, iterates))
+        return iter(out) if iterates else out
+
+
+def floor(workload: Workload, repeats: int, stat: Callable[[list[float]], float], block: int = 10) -> float:
+    """The step's own Python against the eager step (`_Prepared`): the ratio of their `stat`s, taking
+    turns in blocks of `block` steps after one untimed block. Raises where the model's Python needs
+    what a prepared result cannot give (a value read, a call no meta kernel runs: HF GPT-2)."""
+    torch.manual_seed(0)
+    eager = workload.make_model()
+    prepared = copy.deepcopy(eager)
+    grads = []
+    for m in prepared.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None:
+                # (a leaf that requires grad is all the optimizer asks of a parameter; `nn.Parameter`
+                # would call `detach`)
+                m._parameters[name] = q = _Prepared(p.detach(), p.requires_grad)
+                grads.append((q, _Prepared(p.detach())))
+    step = PreparedStep(grads)
+    make_opt = lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9, foreach=True)  # noqa: E731
+    eager_opt, prepared_opt = make_opt(eager.parameters()), make_opt(prepared.parameters())
+    x = torch.randint(0, workload.vocab, workload.input_shape) if workload.vocab else torch.randn(workload.input_shape)
+    y = torch.randint(0, workload.vocab or 10, workload.input_shape if workload.vocab else workload.input_shape[:1])
+    px, py = _Prepared(x), _Prepared(y)
+    eager_s, prepared_s = [], []
+    changes = 0
+    for k in range(1 + max(1, repeats // block)):
+        for _ in range(block):
+            started = time.perf_counter()
+            train_step(eager, eager_opt, x, y, workload.loss)
+            eager_s.append(time.perf_counter() - started)
+        for _ in range(block):
+            step.start()
+            started = time.perf_counter()
+            train_step(prepared, prepared_opt, px, py, workload.loss)
+            prepared_s.append(time.perf_counter() - started)
+        if k == 0:
+            eager_s.clear()
+            prepared_s.clear()
+            changes = step.changes
+    if step.changes != changes:
+        raise RuntimeError("the step's calls kept changing after the warm-up steps")
+    return stat(prepared_s) / stat(eager_s)
+
+
 def _time_runners() -> list[float]:
     """Wrap the runner of every cached step plan so its calls are timed. This reaches into pydisc's
     plan cache (there is no public hook): what is left of mark_step is the key build, the cache
@@ -325,19 +449,25 @@ def main() -> None:
     paths = {"both": (False, True), "on": (True,), "off": (False,)}[args.fast]
     workloads = [WORKLOADS[name] for name in args.models.split(",")]
     results = [measure(w, args.repeats, args.warmup, stat, path) for w in workloads for path in paths]
+    floors = {}
+    for w in workloads:
+        try:
+            floors[w.name] = "%.2fx" % floor(w, args.repeats, stat)
+        except Exception as e:      # (the model's Python needs more than prepared results)
+            floors[w.name] = "- (%s)" % type(e).__name__
     print("torch %s, %d thread(s), %s of %d steps after %d warm-up steps, PYDISC_ASYNC=%d"
           % (torch.__version__, torch.get_num_threads(), args.stat, args.repeats, args.warmup,
              pydisc.config.CONFIG.async_cpu))
     print()
     print("| model, recording path | eager ATen ops | eager us/op | recorded entries | record us/entry "
           "| eager step | pydisc record + mark_step (lookup+bind / run / wait) | record / eager step "
-          "| (record + mark_step) / eager step |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for r in results:
-        print("| %s | %d | %.1f | %d | %.1f | %.2f ms | %.2f + %.2f ms (%.2f / %.2f / %.2f) | %.2fx | %.2fx |" % (
+          "| (record + mark_step) / eager step | floor: the step's own Python / eager step |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r, w in zip(results, [w for w in workloads for _ in paths]):
+        print("| %s | %d | %.1f | %d | %.1f | %.2f ms | %.2f + %.2f ms (%.2f / %.2f / %.2f) | %.2fx | %.2fx | %s |" % (
             r.name, r.eager_ops, r.eager_us_per_op, r.recorded_ops, r.record_us_per_op, r.eager_step_ms,
             r.record_ms, r.mark_step_ms, r.lookup_bind_ms, r.mark_step_ms - r.lookup_bind_ms - r.wait_ms,
-            r.wait_ms, r.record_ms / r.eager_step_ms, r.total_ms / r.eager_step_ms))
+            r.wait_ms, r.record_ms / r.eager_step_ms, r.total_ms / r.eager_step_ms, floors[w.name]))
 
 
 if __name__ == "__main__":
