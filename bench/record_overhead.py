@@ -263,6 +263,8 @@ _PASSED = {getattr(torch.Tensor, name) for name in (
 def _meta(a):
     if isinstance(a, torch.Tensor):
         return torch.empty_strided(tuple(a.shape), a.stride(), dtype=a.dtype, device="meta")
+    if type(a) is list or type(a) is tuple:
+        return type(a)(map(_meta, a))
     return torch.device("meta") if isinstance(a, torch.device) else a
 
 
