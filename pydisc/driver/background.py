@@ -11,8 +11,8 @@ ready puts it where the synchronous path would have (the plan cache, or the dyna
 and turns recording back on; the next step records and runs compiled.
 
 So no step waits for a compile, and a training loop whose sizes change (each new size, or the first
-steps of an optimizer) runs eagerly until its plans exist (slowed by the planning thread: `SWITCH_INTERVAL`). `pydisc.wait_for_compiles()`
-blocks until the plans being built are ready (benchmarks, tests). A plan that fails to build: a step
+steps of an optimizer) runs eagerly until its plans exist (slowed by the planning thread: `SWITCH_INTERVAL`).
+`pydisc.wait_for_compiles()` blocks until the plans being built are ready (benchmarks, tests). A plan that fails to build: a step
 graph's runs eagerly from then on (warned once), a template's error is raised at the next
 `mark_step()`, as it would have been synchronously.
 """
