@@ -57,6 +57,11 @@ class Config:
     shape_log: str = _env("PYDISC_SHAPE_LOG")             # append each compiled cluster (python -m pydisc.precompile)
     cache_max_mb: float = float(_env("PYDISC_CACHE_MAX_MB", "2048"))
     dynamic: bool = _env("PYDISC_DYNAMIC", "1") != "0"     # dynamic dims (0: one static plan per shape)
+    # a dynamic-shape template recorded at sizes that were all multiples of 8 serves only such sizes (a
+    # guard), and its compiled code knows it, as it knows each dim's constant factors: IREE vectorizes over
+    # those dims (pydisc/driver/dynamic.py, SIZE_MULTIPLE). Another size gets a template of its own.
+    # "off" (default), "cuda", "cpu" or "all"
+    size_multiples: str = _scope("PYDISC_SIZE_MULTIPLES", "off")
     # on CUDA, matmuls and convolutions run in torch (cuBLAS/cuDNN, several times faster than IREE's
     # code) between compiled clusters; "iree" keeps them inside the clusters
     gpu_matmul: str = _choice("PYDISC_GPU_MATMUL", "torch", ("torch", "iree"))

@@ -35,16 +35,16 @@ __all__ = ["enabled", "start", "collect", "join", "pending", "note_step"]
 
 class _Job:
     def __init__(self, program, inputs: list, device: torch.device, sources: list,
-                 done: Callable, failed: Callable) -> None:
+                 done: Callable, failed: Callable, multiples: dict | None) -> None:
         self.done, self.failed = done, failed
         self.result: list = []
         self.started = time.perf_counter()
-        self.thread = threading.Thread(target=self._work, args=(program, inputs, device, sources),
+        self.thread = threading.Thread(target=self._work, args=(program, inputs, device, sources, multiples),
                                        name="pydisc-background-plan", daemon=True)
 
-    def _work(self, program, inputs, device, sources) -> None:
+    def _work(self, program, inputs, device, sources, multiples) -> None:
         try:
-            self.result.append(build_plan(program, inputs, device, sources))
+            self.result.append(build_plan(program, inputs, device, sources, multiples))
         except BaseException as exc:    # handed to the main thread by `collect`
             self.result.append(exc)
 
@@ -71,10 +71,11 @@ def pending() -> bool:
 
 
 def start(program, inputs: list, device: torch.device, sources: list, done: Callable,
-          failed: Callable) -> None:
+          failed: Callable, multiples: dict | None = None) -> None:
     """Build `program`'s plan in a thread; `done(plan)` or `failed(exc)` run on the main thread when it is
-    ready (`collect`). Steps pass through meanwhile. Call after the step that asked has run."""
-    job = _Job(program, inputs, device, sources, done, failed)
+    ready (`collect`). Steps pass through meanwhile. Call after the step that asked has run. `multiples`:
+    a dynamic-shape template's (plan.build_plan)."""
+    job = _Job(program, inputs, device, sources, done, failed, multiples)
     ENGINE.shorten_interval("background", SWITCH_INTERVAL)
     ENGINE.jobs.append(job)
     METRICS.background_compiles += 1

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils import _pytree as pytree
 
-from ..config import CONFIG
+from ..config import CONFIG, applies
 from ..frontend.fast import set_gate as set_fast_gate
 from ..frontend.layout import contiguous_strides, flat_base, numel
 from ..frontend.lazy_tensor import RECORDER
@@ -393,6 +393,46 @@ def value_refs(x, kind=ValueRef) -> list:
 # Automatic dynamic dims: a graph seen before with other sizes.
 
 MAX_TEMPLATES = 6
+
+# A template recorded where a dynamic size was a multiple of this in every step so far assumes it always
+# is one (where `PYDISC_SIZE_MULTIPLES` applies, off by default): its compiled code is told so
+# (`util.assume.int`, emit), and a guard keeps other sizes off it (symbolic.SymbolicStep.guards,
+# `size_multiples`). IREE's CUDA code for an elementwise pass over a [32, 12, s, s] tensor went from one
+# element and 32 per workgroup to 8 and 256 with it (12 x 99 us -> 12 x 15 us in a BERT-base step), but
+# the step as a whole was not shown faster (bench/README.md). 8 is what tokenizers pad to
+# (`pad_to_multiple_of=8`, for tensor cores); a larger multiple would split such batches over more
+# templates.
+SIZE_MULTIPLE = 8
+
+
+def size_multiples(session, device: torch.device) -> dict | None:
+    """{symbol: SIZE_MULTIPLE} for the size symbols of a template about to be made whose sizes were
+    multiples of it in this step and in every step of the model before (`shapes_seen`): batches padded to
+    a multiple of 8. None where `PYDISC_SIZE_MULTIPLES` does not apply (the template's code is told
+    nothing of its sizes); none once a size of this model broke a template's multiple
+    (`DynamicState.unaligned`: its sizes vary freely). Step inputs only: a tensor that earlier steps made
+    and that grows a token a step (a KV cache) takes every size."""
+    state = ENGINE.dynamic
+    if not applies(CONFIG.size_multiples, device):
+        return None
+    if state.unaligned:
+        return {}
+    out = {}
+    for sym, (kind, index, d) in session.sources.items():
+        value = session.value_of(sym)
+        if kind != "conv" or value is None or value % SIZE_MULTIPLE:
+            continue
+        sizes = [key[index][d] for key in state.shapes_seen if len(key) > index and len(key[index]) > d]
+        if all(size % SIZE_MULTIPLE == 0 for size in sizes):
+            out[sym] = SIZE_MULTIPLE
+    return out
+
+
+def wants_unaligned_template() -> bool:
+    """A size broke a template's multiple and every template assumes one: the next step records a
+    template that assumes none, at once (rather than after `misses` steps run eagerly)."""
+    state = ENGINE.dynamic
+    return state.unaligned and all(t.session is not None and t.session.multiples for t in state.templates)
 
 
 def changed_dims(old_inputs: tuple, new_inputs: tuple, trace: Trace, old_key: tuple, new_key: tuple) -> dict:

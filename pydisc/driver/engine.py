@@ -45,6 +45,7 @@ class DynamicState:
     fast_refused: bool = False                       # ... too many: the dispatcher records (fast_match.py)
     shapes_seen: dict = field(default_factory=dict)  # step input shapes (and prefixes) seen, in order
     new_sizes: bool = False                          # a forward of this step was gated for its new sizes
+    unaligned: bool = False                          # a size broke a template's multiple: new ones assume none
 
 
 class ChoiceState:

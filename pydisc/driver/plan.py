@@ -76,15 +76,16 @@ def _dump(name: str, text: str, failure: bool = False) -> str | None:
 
 
 def build_plan(program: Program, inputs: list[torch.Tensor], device: torch.device,
-               sources: list[str | None]) -> StepPlan:
+               sources: list[str | None], multiples: dict | None = None) -> StepPlan:
     """Plan in a fresh thread: a read such as `.item()` reaches us from inside `__torch_dispatch__`,
     where the dispatcher's thread-local state (autograd, functionalization excluded) would break
-    make_fx. A new thread starts with clean dispatch state and default grad mode."""
+    make_fx. A new thread starts with clean dispatch state and default grad mode. `multiples`: a
+    dynamic-shape template's guarded size multiples (emit.emit_cluster)."""
     result: list = []
 
     def work():
         try:
-            result.append(_build(program, inputs, device, sources))
+            result.append(_build(program, inputs, device, sources, multiples))
         except BaseException as exc:   # re-raised in the caller's thread
             result.append(exc)
 
@@ -109,7 +110,7 @@ def _eager_plan(program: Program, sources: list[str | None]) -> StepPlan:
 
 
 def _build(program: Program, inputs: list[torch.Tensor], device: torch.device,
-           sources: list[str | None]) -> StepPlan:
+           sources: list[str | None], multiples: dict | None) -> StepPlan:
 
     started = time.perf_counter()
     step_id = METRICS.graph_cache_misses
@@ -136,7 +137,7 @@ def _build(program: Program, inputs: list[torch.Tensor], device: torch.device,
             fast.refuse("planning failed: %s" % type(exc).__name__)
         return _eager_plan(program, sources)
     METRICS.plan_seconds += time.perf_counter() - started
-    return plan_graph(gm, device, sources, step_id)
+    return plan_graph(gm, device, sources, step_id, multiples)
 
 
 def _share_scalars(device: torch.device) -> bool:
@@ -146,13 +147,14 @@ def _share_scalars(device: torch.device) -> bool:
 
 
 def plan_graph(gm: torch.fx.GraphModule, device: torch.device, sources: list[str | None],
-               step_id: int) -> StepPlan:
+               step_id: int, multiples: dict | None = None) -> StepPlan:
     """Partition, emit and compile a functional graph of core ATen ops into a runnable `StepPlan`.
 
     `gm` may be traced with symbolic sizes (`node.meta["val"]` FakeTensors with SymInt dims, SymInt
     nodes such as `aten.sym_size.int`): its clusters are then compiled once with dynamic dimensions and
     the plan runs at every size. `sources[i]` is the user source line of program entry i (nodes carry
-    `meta["pydisc_entry"]`); `step_id` names the dump files."""
+    `meta["pydisc_entry"]`); `step_id` names the dump files; `multiples`: size symbol -> what it is
+    guaranteed a multiple of (emit.emit_cluster)."""
 
     started = time.perf_counter()
     _dump("step%d_graph.txt" % step_id, gm.code)
@@ -225,7 +227,7 @@ def plan_graph(gm: torch.fx.GraphModule, device: torch.device, sources: list[str
         try:
             emitted = emitted_ahead.pop(name, None) if parent is fused and shared == share_scalars else None
             if emitted is None:
-                emitted = emit_cluster(sub, share_scalars=shared)
+                emitted = emit_cluster(sub, share_scalars=shared, multiples=multiples)
             _dump("step%d_%s.mlir" % (step_id, name), emitted.text)
             compiled = executor.compile_module(emitted.text, device)
         except Exception as exc:
@@ -325,7 +327,8 @@ def plan_graph(gm: torch.fx.GraphModule, device: torch.device, sources: list[str
     if len(part.clusters) > 1 and CONFIG.compile_jobs > 1:
         for name in part.clusters:
             try:
-                emitted_ahead[name] = emit_cluster(getattr(fused, name), share_scalars=share_scalars)
+                emitted_ahead[name] = emit_cluster(getattr(fused, name), share_scalars=share_scalars,
+                                                   multiples=multiples)
             except Exception:  # noqa: BLE001 - reported by compile_into
                 pass
 

@@ -96,7 +96,7 @@ def plan_concrete(trace: Trace, key: tuple, executed: list[int], outputs: tuple,
             # an optimizer creates its state, later ones do not): run eagerly rather than compile for
             # these shapes; after two such steps in a row, record the next step as a new template
             ENGINE.dynamic.misses += 1
-            ENGINE.dynamic.force_symbolic = ENGINE.dynamic.misses >= 2
+            ENGINE.dynamic.force_symbolic = ENGINE.dynamic.misses >= 2 or dynamic.wants_unaligned_template()
             why = ENGINE.dynamic.last_mismatch if ENGINE.dynamic.templates else ""
             run_eagerly("a step with dynamic inputs matches no dynamic-shape plan%s; it runs eagerly%s" % (
                 " (the last template tried: %s)" % why if why else "",
@@ -166,6 +166,7 @@ def plan_symbolic(trace: Trace, executed: list[int], outputs: tuple, inputs: lis
         except Exception as exc:     # noqa: BLE001
             return _planning_failed(program, exc, "planning a step"), inputs, None
     session.note_guards(None)
+    session.multiples = dynamic.size_multiples(session, device)
     pinned = session.specialised()
     if pinned:
         parts = []
@@ -241,7 +242,8 @@ def start_template(template, device: torch.device) -> None:
         template.guards = template.session.guards()
         template.fakes = None
 
-    background.start(template.program, template.fakes, device, template.sources, done, failed)
+    background.start(template.program, template.fakes, device, template.sources, done, failed,
+                     template.session.multiples)
 
 
 def build_template(binding, device: torch.device) -> bool:
@@ -250,7 +252,8 @@ def build_template(binding, device: torch.device) -> bool:
     template = binding.template
     METRICS.graph_cache_misses += 1
     try:
-        template.plan = build_plan(template.program, template.fakes, device, template.sources)
+        template.plan = build_plan(template.program, template.fakes, device, template.sources,
+                                   template.session.multiples)
         METRICS.plans_compiled += 1
     except Exception as exc:     # noqa: BLE001
         template.plan = _planning_failed(template.program, exc, "planning a dynamic-shape step")

@@ -71,6 +71,9 @@ class _NoMatch(Exception):
     pass
 
 
+NOT_A_MULTIPLE = "is not a multiple of"
+
+
 def match_template(template: Template, trace: Trace, executed: list[int], outputs: tuple) -> Binding | None:
     """Bind the concrete step (`executed` entries of `trace`, `outputs`) to `template`, or None."""
     try:
@@ -314,6 +317,12 @@ def _match(template: Template, trace: Trace, executed: list[int], outputs: tuple
         got = expr.value(sizes)
         if got != value:
             raise _NoMatch("size argument")
+    if template.session is not None:
+        for sym, multiple in (template.session.multiples or {}).items():
+            if sym in sizes and sizes[sym] % multiple:
+                # its compiled code assumes the multiple (dynamic.SIZE_MULTIPLE): a template of its own
+                ENGINE.dynamic.unaligned = True
+                raise _NoMatch("%s %d %s %d" % (sym, sizes[sym], NOT_A_MULTIPLE, multiple))
     if not guards_hold(template, sizes):
         raise _NoMatch("guard")
     used_reals = sorted(rmap)

@@ -284,12 +284,17 @@ def _scalar_reads(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, list[torch.fx
     return {source: group for source, group in reads.items() if len(group) > 1}
 
 
-def emit_cluster(gm: torch.fx.GraphModule, *, func_name: str = "main", share_scalars: bool = True) -> EmittedCluster:
+def emit_cluster(gm: torch.fx.GraphModule, *, func_name: str = "main", share_scalars: bool = True,
+                 multiples: dict | None = None) -> EmittedCluster:
     """The StableHLO function of a cluster. `share_scalars` reads the lifted scalars behind one barrier
     (`_scalar_reads`): fewer distinct dispatches to compile, at the cost of a buffer copy per scalar
     when the module runs. On CUDA those copies were 1,332 of the 3,462 launches of a GPT-2 training
-    step, so the CUDA target passes False: each dispatch then reads its scalars itself."""
+    step, so the CUDA target passes False: each dispatch then reads its scalars itself. `multiples`:
+    size symbol -> a number its value is guaranteed a multiple of (a dynamic-shape template's guard);
+    with it, what each dynamic dim is known to be a multiple of (those and the dim's constant factors)
+    is told to IREE where the dim is read (`RuntimeSizes.index`). None: nothing is."""
     builder = FunctionBuilder()
+    builder.multiples = None if multiples is None else dict(multiples)
     env: dict[torch.fx.Node, object] = {}
     inputs: list[Value] = []
     arguments: list[int] = []

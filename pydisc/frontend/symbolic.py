@@ -224,6 +224,9 @@ class SymbolicStep:
         self._hidden: list = []           # Python kernels hidden while the step records (_CPP_SPELLED)
         self.guards_seen = 0
         self.guard_sources: list = []      # (guard expr, user source line where it appeared)
+        # symbol -> a number its size is assumed a multiple of, guarded (driver/dynamic.size_multiples);
+        # None: the template's compiled code is told nothing of its sizes
+        self.multiples: dict[sympy.Symbol, int] | None = None
 
     # ---- lifetime: active from the first symbolic input to the end of the step ----------------------
     def enter(self) -> None:
@@ -283,7 +286,18 @@ class SymbolicStep:
             return torch.empty_strided(size, stride, dtype=dtype, device=device)
 
     def guards(self) -> list:
-        return [g.expr for g in self.shape_env.guards]
+        """torch's guards, and those of the multiples assumed (`multiples`)."""
+        return [g.expr for g in self.shape_env.guards] + [
+            sympy.Eq(sympy.Mod(sym, m), 0) for sym, m in (self.multiples or {}).items()]
+
+    def value_of(self, sym: sympy.Symbol) -> int | None:
+        """The size `sym` stands for in the step recorded; None where a guard pinned it to a number."""
+        env = self.shape_env
+        if env.replace(sym) != sym:
+            return None
+        hints = env.backed_var_to_val if hasattr(env, "backed_var_to_val") else env.var_to_val  # (torch 2.13)
+        value = hints.get(sym)
+        return None if value is None else int(value)
 
     def note_guards(self, source: str | None) -> None:
         """Remember where in user code the newest guards appeared (a specialised size is reported there)."""

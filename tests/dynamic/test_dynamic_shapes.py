@@ -472,3 +472,50 @@ def test_sizes_of_a_symbolic_step_are_numbers_afterwards():
             pydisc.mark_step()
             assert all(type(s) is int for s in cache.shape), cache.shape
     assert pydisc.metrics()["dynamic_templates"] == 1
+
+
+def test_sizes_that_were_multiples_of_8_get_a_template_that_assumes_it(fresh):
+    """`PYDISC_SIZE_MULTIPLES`: a template recorded when every length so far was a multiple of 8 tells
+    IREE so (`util.assume.int`, with which its GPU code is vectorized) and serves only such lengths, by a
+    guard. A length that is not one gets a template that assumes nothing, at once; its steps never run
+    the first template's code, which would read past the end of their rows."""
+    fresh.setattr(CONFIG, "size_multiples", "all")
+    texts = []
+    compile_module = pydisc.exec.compile_module
+
+    def compiling(text, device, *args):
+        texts.append(text)
+        return compile_module(text, device, *args)
+
+    fresh.setattr(pydisc.exec, "compile_module", compiling)
+    lengths = [8, 16, 24, 16, 12, 20, 12, 32, 20]
+    torch.manual_seed(0)
+    model = TinyLM()
+    ref = copy.deepcopy(model)
+    pydisc.lazy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    served = []         # per step: the template whose plan ran it (None: eagerly, or recorded as one)
+    for T in lengths:
+        before = [t.steps for t in ENGINE.dynamic.templates]
+        idx = torch.randint(0, 11, (2, T), generator=g)
+        tgt = torch.randint(0, 11, (2, T), generator=g)
+        model(idx, tgt).backward()
+        opt.step()
+        opt.zero_grad()
+        pydisc.mark_step()
+        ref(idx, tgt).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-5, msg="%s after length %d" % (name, T))
+        after = [t.steps for t in ENGINE.dynamic.templates]
+        served.append(next((k for k, n in enumerate(before) if after[k] > n), None))
+    aligned, unaligned = ENGINE.dynamic.templates
+    assert list(aligned.session.multiples.values()) == [8] and unaligned.session.multiples == {}
+    # 12 matches no template and runs eagerly, 20 is recorded as the second template; from then on the
+    # multiples of 8 run the first template's code and the other lengths the second's
+    assert served[4:] == [None, None, 1, 0, 1], served
+    assert any("util.assume.int" in t and "udiv = 8" in t for t in texts)
+    assert any("is not a multiple of 8" in r for r in pydisc.metrics()["recompiles"])

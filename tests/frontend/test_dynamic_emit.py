@@ -22,7 +22,7 @@ from pydisc.config import CONFIG
 from pydisc.frontend.decompositions import DECOMPOSITIONS
 from pydisc.frontend.emit import TensorSpec, emit_cluster, unsupported_reason
 from pydisc.frontend.lowering import reductions
-from pydisc.frontend.lowering.size_exprs import reshape_groups
+from pydisc.frontend.lowering.size_exprs import known_multiple, reshape_groups
 from pydisc.frontend.lowering.values import Value
 from pydisc.metrics import METRICS
 from pydisc.driver.plan import StepPlan, plan_graph
@@ -559,3 +559,34 @@ def test_concatenation_with_an_empty_piece(compiles: list[str]) -> None:
 
     variants = [[torch.randn(2, n, 8)] for n in (5, 3, 9)]
     check_sizes(fn, variants[0], {0: (1,)}, variants, compiles)
+
+
+def test_what_a_size_is_known_to_be_a_multiple_of():
+    s0, s1 = sympy.symbols("s0 s1", integer=True, positive=True)
+    assert known_multiple(32 * s0, {}) == 32
+    assert known_multiple(s0 * s1, {s0: 8}) == 8
+    assert known_multiple(24 * s0 * s1, {s0: 8, s1: 8}) == 24 * 64
+    assert known_multiple(s0 + 8, {s0: 8}) == 8
+    assert known_multiple(s0 + 4, {s0: 8}) == 4
+    assert known_multiple(s0 ** 2, {s0: 8}) == 64
+    assert known_multiple(s0 + 1, {s0: 8}) == 1
+    assert known_multiple(s1, {s0: 8}) == 1
+    assert known_multiple(7, {}) == 7
+
+
+def test_sizes_are_told_to_iree_only_for_a_template_that_guards_them():
+    """emit_cluster's `multiples` (a template's guarded multiples): each dim read is declared a multiple
+    (`util.assume.int`) where one is known; None (PYDISC_SIZE_MULTIPLES off) leaves the text as it was.
+    The module runs right at sizes that keep the promise."""
+    fn = lambda x, b: F.gelu(x * 2 + b)  # noqa: E731
+    gm = symbolic_trace(fn, (torch.randn(8, 33), torch.randn(33)), {0: (0,)})
+    symbol = next(n for n in gm.graph.nodes if n.op == "placeholder").meta["val"].shape[0].node.expr
+    assert "util.assume.int" not in emit_cluster(gm).text
+    assert "util.assume.int" not in emit_cluster(gm, multiples={}).text    # s0 alone: nothing known
+    text = emit_cluster(gm, multiples={symbol: 8}).text
+    assert "util.assume.int" in text and "udiv = 8" in text, text
+    plan = plan_graph(gm, CPU, [], 0, multiples={symbol: 8})
+    for n in (8, 24):
+        x, b = torch.randn(n, 33), torch.randn(33)
+        (out,) = _flat(plan.runner(x, b))
+        torch.testing.assert_close(out, fn(x, b), rtol=1e-5, atol=1e-6)

@@ -287,6 +287,10 @@ class _Extractor:
             predicate = _COMPARE[_int_attr(op.attributes["predicate"])]
             self.program.append(["cmp", out, predicate, self.int_of(op.operands[0]), self.int_of(op.operands[1])])
             self.ints[op.results[0]] = out
+        elif name == "util.assume.int":
+            # what the emitter told IREE about a size (a multiple of 8, emit.emit_cluster): nothing to compute
+            for result, operand in zip(op.results, op.operands):
+                self.ints[result] = self.int_of(operand)
         elif name == "util.align":
             out = self.new(_width(op.results[0].type))
             self.program.append(["align", out, self.int_of(op.operands[0]), self.int_of(op.operands[1])])

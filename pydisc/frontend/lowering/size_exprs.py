@@ -11,7 +11,8 @@ from a dim of a cluster input (`SizeBindings`); an expression that cannot be bui
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Union
 
@@ -30,6 +31,7 @@ __all__ = [
     "floor_div",
     "is_integer",
     "is_static",
+    "known_multiple",
     "python_expression",
     "reshape_groups",
     "same_shape",
@@ -213,6 +215,13 @@ class SizeBindings:
             self._compound[size] = stand_in
             self.leaves[stand_in] = (position, dim)
 
+    def expression(self, leaf: sympy.Symbol) -> Size:
+        """What a bound leaf stands for: itself, or the compound dim a stand-in names."""
+        for compound, stand_in in self._compound.items():
+            if stand_in == leaf:
+                return compound
+        return leaf
+
     def resolve(self, size: Size) -> Size:
         """`size` rewritten over bound leaves only; UnboundSizeError when that is impossible."""
         if type(size) is int or size in self.leaves:
@@ -240,6 +249,25 @@ class SizeBindings:
                 "cluster has as a dim"
             )
         return expr
+
+
+def known_multiple(size: Size, multiples: Mapping[sympy.Symbol, int]) -> int:
+    """The largest number `size` is known to be a multiple of at run time: its constant factors
+    (`32*s0`: 32), times what each symbol is guaranteed a multiple of (`multiples`, a guarded
+    template's, symbolic.SymbolicStep.assume_multiples). 1 where nothing is known."""
+    if type(size) is int:
+        return abs(size) or 1
+    if size.is_Integer:
+        return abs(int(size)) or 1
+    if size.is_Symbol:
+        return multiples.get(size, 1)
+    if size.is_Mul:
+        return math.prod(known_multiple(a, multiples) for a in size.args)
+    if size.is_Add:
+        return math.gcd(*(known_multiple(a, multiples) for a in size.args))
+    if size.is_Pow and size.exp.is_Integer and size.exp > 0:
+        return known_multiple(size.base, multiples) ** int(size.exp)
+    return 1
 
 
 def same_shape(a: Sequence[Size], b: Sequence[Size]) -> bool:

@@ -19,6 +19,7 @@ from pydisc.frontend.lowering.size_exprs import (
     UnboundSizeError,
     expression_node,
     is_integer,
+    known_multiple,
 )
 from pydisc.frontend.lowering.values import IndexTensor, TensorSpec, Value
 
@@ -36,6 +37,9 @@ class RuntimeSizes:
         self._arguments: dict[int, Value] = {}
         self._sizes: dict[object, object] = {}  # size -> index name; ("i64", size) -> 0-d Value
         self._shapes: dict[tuple[Size, ...], IndexTensor] = {}
+        # symbol -> what its value is guaranteed a multiple of at run time (a template's guard); None:
+        # nothing is told to IREE about the sizes
+        self.multiples: dict[sympy.Symbol, int] | None = None
 
     def _save_sizes(self) -> tuple[dict, dict]:
         return dict(self._sizes), dict(self._shapes)
@@ -77,6 +81,15 @@ class RuntimeSizes:
                     dim_index = self.index(dim)
                     name = self._fresh_name()
                     self.line(f"{name} = tensor.dim {argument.name}, {dim_index} : {argument.type}")
+                    multiple = 1 if self.multiples is None else \
+                        known_multiple(self._bindings.expression(resolved), self.multiples)
+                    if multiple > 1:
+                        # IREE reads a dim off a buffer at run time and knows nothing of it: told that it
+                        # is a multiple (of a static factor, `32*s0`, or of a guarded one), its GPU code
+                        # for the dispatches over it is vectorized (8 elements a thread instead of 1)
+                        assumed = self._fresh_name()
+                        self.line(f"{assumed} = util.assume.int {name}<udiv = {multiple}> : index")
+                        name = assumed
             else:
                 name = self._index_expression(resolved)
         self._sizes[size] = name
