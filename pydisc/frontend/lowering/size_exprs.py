@@ -253,8 +253,8 @@ class SizeBindings:
 
 def known_multiple(size: Size, multiples: Mapping[sympy.Symbol, int]) -> int:
     """The largest number `size` is known to be a multiple of at run time: its constant factors
-    (`32*s0`: 32), times what each symbol is guaranteed a multiple of (`multiples`, a guarded
-    template's, symbolic.SymbolicStep.assume_multiples). 1 where nothing is known."""
+    (`32*s0`: 32), times what each symbol is guaranteed a multiple of (`multiples`: a template's,
+    guarded, driver/dynamic.size_multiples). 1 where nothing is known."""
     if type(size) is int:
         return abs(size) or 1
     if size.is_Integer:
