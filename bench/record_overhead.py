@@ -312,7 +312,7 @@ class PreparedStep:
 def floor(workload: Workload, repeats: int, stat: Callable[[list[float]], float], block: int = 10) -> float:
     """The step's own Python against the eager step (`_Prepared`): the ratio of their `stat`s, taking
     turns in blocks of `block` steps after one untimed block. Raises where the model's Python needs
-    what a prepared result cannot give (a value read, a call no meta kernel runs: HF GPT-2)."""
+    what a prepared result cannot give (a value read, a call no meta kernel runs)."""
     torch.manual_seed(0)
     eager = workload.make_model()
     prepared = copy.deepcopy(eager)
