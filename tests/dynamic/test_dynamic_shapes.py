@@ -478,7 +478,7 @@ def test_sizes_that_were_multiples_of_8_get_a_template_that_assumes_it(fresh):
     """`PYDISC_SIZE_MULTIPLES`: a template recorded when every length so far was a multiple of 8 tells
     IREE so (`util.assume.int`, with which its GPU code is vectorized) and serves only such lengths, by a
     guard. A length that is not one gets a template that assumes nothing, at once; its steps never run
-    the first template's code, which would read past the end of their rows."""
+    the first template's code, which is only right for multiples of 8."""
     fresh.setattr(CONFIG, "size_multiples", "all")
     texts = []
     compile_module = pydisc.exec.compile_module
