@@ -396,12 +396,11 @@ MAX_TEMPLATES = 6
 
 # A template recorded where a dynamic size was a multiple of this in every step so far assumes it always
 # is one (where `PYDISC_SIZE_MULTIPLES` applies, off by default): its compiled code is told so
-# (`util.assume.int`, emit), and a guard keeps other sizes off it (symbolic.SymbolicStep.guards,
-# `size_multiples`). IREE's CUDA code for an elementwise pass over a [32, 12, s, s] tensor went from one
-# element and 32 per workgroup to 8 and 256 with it (12 x 99 us -> under 12 x 15 us in a BERT-base step), but
-# the step as a whole was not shown faster (bench/README.md). 8 is what tokenizers pad to
-# (`pad_to_multiple_of=8`, for tensor cores); a larger multiple would split such batches over more
-# templates.
+# (`util.assume.int`, emit), and matching keeps other sizes off it (template_match). IREE's CUDA code for
+# an elementwise pass over a [32, 12, s, s] tensor went from one element and 32 per workgroup to 8 and
+# 256 with it (12 x 99 us -> under 12 x 15 us in a BERT-base step), but the step as a whole was not shown
+# faster (bench/README.md). 8 is what tokenizers pad to (`pad_to_multiple_of=8`, for tensor cores); a
+# larger multiple would split such batches over more templates.
 SIZE_MULTIPLE = 8
 
 

@@ -294,7 +294,7 @@ def emit_cluster(gm: torch.fx.GraphModule, *, func_name: str = "main", share_sca
     with it, what each dynamic dim is known to be a multiple of (those and the dim's constant factors)
     is told to IREE where the dim is read (`RuntimeSizes.index`). None: nothing is."""
     builder = FunctionBuilder()
-    builder.multiples = None if multiples is None else dict(multiples)
+    builder.multiples = multiples
     env: dict[torch.fx.Node, object] = {}
     inputs: list[Value] = []
     arguments: list[int] = []

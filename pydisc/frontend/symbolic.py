@@ -224,8 +224,8 @@ class SymbolicStep:
         self._hidden: list = []           # Python kernels hidden while the step records (_CPP_SPELLED)
         self.guards_seen = 0
         self.guard_sources: list = []      # (guard expr, user source line where it appeared)
-        # symbol -> a number its size is assumed a multiple of, guarded (driver/dynamic.size_multiples);
-        # None: the template's compiled code is told nothing of its sizes
+        # symbol -> a number its size is assumed a multiple of, checked at each match (driver/dynamic.
+        # size_multiples, template_match); None: the template's compiled code is told nothing of its sizes
         self.multiples: dict[sympy.Symbol, int] | None = None
 
     # ---- lifetime: active from the first symbolic input to the end of the step ----------------------
@@ -286,9 +286,7 @@ class SymbolicStep:
             return torch.empty_strided(size, stride, dtype=dtype, device=device)
 
     def guards(self) -> list:
-        """torch's guards, and those of the multiples assumed (`multiples`)."""
-        return [g.expr for g in self.shape_env.guards] + [
-            sympy.Eq(sympy.Mod(sym, m), 0) for sym, m in (self.multiples or {}).items()]
+        return [g.expr for g in self.shape_env.guards]
 
     def value_of(self, sym: sympy.Symbol) -> int | None:
         """The size `sym` stands for in the step recorded; None where a guard pinned it to a number."""
