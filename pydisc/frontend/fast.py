@@ -178,6 +178,16 @@ def resolve(t: LazyTensor) -> LazyTensor:
     return _redirect_of(t)
 
 
+def _set_data(t: LazyTensor, value):
+    """`t.data = value` (Recorder.set_data) with fast recording installed: a segment open on this thread is
+    demoted first (its calls read what `t` held until now, or `value` is one of its values), and values of
+    a demoted segment stand for the ATen-level tensors they forward to."""
+    seg = FAST.segment
+    if seg is not None and FAST.owner == _thread():
+        seg.demote(_AUTOGRAD_STATE[_Tensor.data.__set__])
+    return _resolved(t), _resolved(value)
+
+
 def flush() -> None:
     """At mark_step: the open segment (a forward with no backward) becomes an entry of the trace."""
     seg = FAST.segment
@@ -345,6 +355,7 @@ def install(default: bool = True) -> None:
     torch.autograd.Function.apply = classmethod(_apply)
     inference.pin(_handler_on)
     RECORDER.fast_read = read
+    RECORDER.fast_set_data = _set_data
 
 
 def uninstall() -> None:

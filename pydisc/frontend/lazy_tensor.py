@@ -45,6 +45,9 @@ ABANDONED = ("pydisc: this lazy tensor has no data: the step that computes it wa
 PRUNE_FIRST_AT = 10_000   # entries of a never-marked trace before the dead ones are first dropped
 
 
+_SET_DATA = torch._C.TensorBase.data.__set__
+
+
 def to_lazy(real: torch.Tensor, *, step_input: bool = False) -> LazyTensor:
     """Wrap device data as a (materialized) lazy tensor, without a copy.
 
@@ -139,6 +142,8 @@ class Recorder(SymbolicInputs):
         self.grad_inputs: list[tuple[torch.Tensor, LazyTensor]] = []
         # frontend/fast.py, where installed: the device data of a fast value read before mark_step
         self.fast_read: Callable[[LazyTensor], torch.Tensor] | None = None
+        # ... and for `t.data = value`: the tensors to assign with, a segment open being demoted first
+        self.fast_set_data: Callable[[LazyTensor, torch.Tensor], tuple] | None = None
         # While the step before runs on a worker thread (pydisc/driver/inflight.py): the driver's wait for
         # it, `in_flight(reason)`, which binds its results. Called before device data is read and before
         # a result of that step is used; the next step's recording does not otherwise wait.
@@ -229,6 +234,24 @@ class Recorder(SymbolicInputs):
         t._fake, t._fake_sid, t._concrete, t._mk = view._fake, view._fake_sid, view._concrete, view._mk
         if view._epoch == trace.epoch:
             trace.tensors[view._vid] = weakref.ref(t)
+
+    def set_data(self, t: LazyTensor, value: torch.Tensor) -> None:
+        """`t.data = value`: `t` holds `value`'s data from now on, in its layout and dtype, sharing its
+        storage (as eager's tensors share it), and keeps its own autograd state (`requires_grad`, `.grad`,
+        hooks), as in eager. `value` may be an eager tensor, wrapped without a copy (`to_lazy`)."""
+        if not isinstance(value, torch.Tensor):
+            _SET_DATA(t, value)     # torch's TypeError
+        if self.fast_set_data is not None:
+            # a forward recorded at __torch_function__ is open, or these are its values (frontend/fast.py)
+            t, value = self.fast_set_data(t, value)
+        if not isinstance(value, LazyTensor):
+            value = to_lazy(value)
+        with torch.no_grad():
+            alias = value.detach()      # recorded (or taken of the device data): a value of its own, on value's storage
+        with torch._C.DisableTorchFunctionSubclass():
+            _SET_DATA(t, alias)         # the wrapper's sizes, strides, dtype, device; torch's checks and errors
+        t._storage = alias._storage
+        self.adopt(t, alias)
 
     def is_clean(self, t: LazyTensor) -> bool:
         if t._real is None:

@@ -17,6 +17,7 @@ from .trace import LazyStorage
 __all__ = ["LazyTensor", "LiftedScalar", "StrictModeError", "bind", "concrete_layout", "is_lazy", "liftable"]
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
+_DATA = torch._C.TensorBase.data      # torch's `.data`: the getter records a detached alias of the value
 
 
 class StrictModeError(RuntimeError):
@@ -87,6 +88,16 @@ class LazyTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return cls._recorder.dispatch(func, args, kwargs or {})
+
+    @property
+    def data(self) -> torch.Tensor:
+        return _DATA.__get__(self)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        # torch's setter changes the wrapper's sizes, strides and dtype but not the value it stands for:
+        # the assignment would be lost (Recorder.set_data)
+        self._recorder.set_data(self, value)
 
     # Reading a value runs what it needs. These bypass the dispatcher, so they are overridden here.
     def __repr__(self, *, tensor_contents=None) -> str:

@@ -1,4 +1,5 @@
 """Recording semantics of the lazy tensor, checked against eager PyTorch."""
+import copy
 import io
 import threading
 
@@ -251,6 +252,51 @@ def test_resize_in_place_same_size_view_or_clear_error():
     pydisc.mark_step()
     torch.testing.assert_close(z.cpu(), (torch.arange(12.0) * 2).view(3, 4) + 1)
     torch.testing.assert_close(y.cpu(), (torch.arange(12.0) * 2).view(3, 4))
+
+
+def test_data_assignment_gives_the_tensor_the_new_value():
+    """`t.data = v`: torch's own setter changed only the wrapper's sizes and dtype, and the value was lost."""
+    pairs = []
+    for wrap in (lambda t: t.clone(), lazy):
+        a, b = wrap(torch.ones(2, 3)), wrap(torch.arange(4.0)) * 2 + 1
+        a.data = b                      # another shape and value, on b's storage
+        b.add_(1)                       # a sees b's writes, as eager's tensors share their storage
+        c = wrap(torch.zeros(3))
+        c.data = torch.full((3,), 2.0)  # an eager tensor into a lazy one: wrapped as it is
+        pairs.append((a, a + 1, c + 1))
+    for lazy_t, eager_t in zip(pairs[1], pairs[0]):
+        assert lazy_t.shape == eager_t.shape
+        assert_same(lazy_t, eager_t)
+    pydisc.mark_step()
+    for lazy_t, eager_t in zip(pairs[1], pairs[0]):
+        assert_same(lazy_t, eager_t)
+
+
+def test_a_lazy_model_converted_with_double_and_data_assignments_trains_like_eager():
+    """`Module.double()` (and `.half()`, `.to(dtype)`) sets each parameter's `.data`: the lazy model's
+    parameters said float64 and held float32 values, and its first step failed at mark_step."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
+    model = pydisc.lazy(copy.deepcopy(ref))
+    x = torch.randn(5, 4, dtype=torch.float64)
+    losses = []
+    for m in (ref, model):
+        m.double()
+        m[0].weight.data = m[0].weight.data * 0.5       # a parameter keeps its grad and its optimizer
+        with pytest.raises(RuntimeError, match="floating point"):
+            m[2].bias.data = torch.zeros(2, dtype=torch.long)     # eager's error
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+        for _ in range(2):
+            opt.zero_grad()
+            loss = m(x).square().sum()
+            loss.backward()
+            opt.step()
+            pydisc.mark_step()
+            losses.append(loss.item())
+    assert losses[2:] == pytest.approx(losses[:2], rel=1e-9)
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert b.dtype == torch.float64
+        torch.testing.assert_close(b.cpu(), a, rtol=1e-9, atol=1e-9)
 
 
 def test_a_new_graph_runs_eagerly_and_compiles_when_it_comes_back(monkeypatch):
