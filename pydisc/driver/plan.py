@@ -28,7 +28,7 @@ from ..exec.compiler import precompile
 from ..frontend import decompositions, fast, torch_mlir
 from ..frontend.emit import emit_cluster, size_function, unsupported_reason
 from ..frontend.fast import FusedStep
-from ..frontend.lazy_tensor import StrictModeError
+from ..frontend.lazy_tensor import RECORDER, StrictModeError
 from ..frontend.replay import Program, functional_graph
 from ..frontend.torch_mlir import note_rejection, op_key, torch_mlir_reason
 from ..frontend.trace import RealRef, ScalarRef, ValueRef
@@ -84,10 +84,14 @@ def build_plan(program: Program, inputs: list[torch.Tensor], device: torch.devic
     result: list = []
 
     def work():
+        me = threading.get_ident()
+        RECORDER.planning.add(me)
         try:
             result.append(_build(program, inputs, device, sources, multiples))
         except BaseException as exc:   # re-raised in the caller's thread
             result.append(exc)
+        finally:
+            RECORDER.planning.discard(me)
 
     worker = threading.Thread(target=work, name="pydisc-plan")
     worker.start()

@@ -30,7 +30,7 @@ from ..config import applies
 from .lazy_tensor import RECORDER, LazyTensor, materialize
 from .symbolic import own_modes
 from .fused import Demote, FusedStep
-from .segment import FAST, Segment
+from .segment import FAST, GIVE_UP_AFTER, Segment
 
 __all__ = ["install", "uninstall", "installed", "arm", "flush", "read", "resolve", "refuse", "set_gate",
            "set_default", "FusedStep"]
@@ -93,10 +93,6 @@ def arm(module_choice: bool | None = None, device: torch.device | None = None,
         FAST.owner = threading.get_ident()
 
 
-# Demotions of a module's forwards in a row after which it records op by op (`arm`).
-GIVE_UP_AFTER = 2
-
-
 def refuse(reason: str) -> None:
     """A fused step could not be planned: the process records op by op from now on."""
     if FAST.refused is None:
@@ -130,7 +126,7 @@ def _has_fast(a) -> bool:
     t = type(a)
     if t is LazyTensor:
         return a._fid is not None or a._redirect is not None
-    if t is list or t is tuple:
+    if t is list or t is tuple or isinstance(a, (list, tuple)):     # (a namedtuple, a list subclass)
         return any(_has_fast(x) for x in a)
     return False
 
@@ -153,6 +149,14 @@ def _resolved(a):
         return t(_resolved(x) for x in a)
     if t is dict:
         return {k: _resolved(v) for k, v in a.items()}
+    if isinstance(a, (list, tuple)) and _has_fast(a):
+        items = [_resolved(x) for x in a]
+        if hasattr(a, "_fields"):
+            return t(*items)        # a namedtuple
+        try:
+            return t(items)
+        except Exception:           # noqa: BLE001 - a subclass with a constructor of its own: torch takes a plain one
+            return list(items) if isinstance(a, list) else tuple(items)
     return a
 
 
@@ -169,13 +173,47 @@ def read(t: LazyTensor) -> torch.Tensor:
     return materialize(resolve(t))
 
 
-def resolve(t: LazyTensor) -> LazyTensor:
+def resolve(t: LazyTensor, reason: str = "a value of the step used where the fast recorder cannot follow it"
+            ) -> LazyTensor:
     """The ATen-level tensor a fast value stands for, demoting its segment first if it is open."""
     if t._fid is not None:
         seg = t._fseg
         if seg is not None and seg is FAST.segment:
-            seg.demote("a value of the step used where the fast recorder cannot follow it")
+            seg.demote(reason)
     return _redirect_of(t)
+
+
+def _dispatched(args, kwargs):
+    """(args, kwargs) of an op that reached the dispatcher (`Recorder.dispatch`) with fast values, which
+    their handler did not see: a functorch transform (`torch.vmap`) wraps them in tensors of its own and
+    hands the ops on unwrapped. As in `_default`, their segment is demoted and they stand for their
+    ATen-level tensors. None where the op has none."""
+    if FAST.segment is None and not FAST.redirected:
+        return None
+    if not (_has_fast(args) or (kwargs and _has_fast(tuple(kwargs.values())))):
+        return None
+    seg = FAST.segment
+    if seg is not None and _grad_enabled() and _needs_grad(seg, (args, tuple((kwargs or {}).values()))):
+        # Autograd has let the op pass without a node (it saw tensors that need no gradient): its
+        # result would carry none, and the parameters behind it would get no gradient.
+        seg.demote("a functorch transform or a dispatch mode")
+        FAST.give_up(seg.armed_by)
+        raise RuntimeError(
+            "pydisc: a value of a forward recorded at __torch_function__ reached torch's dispatcher without "
+            "passing pydisc's handler (a functorch transform such as torch.vmap inside the forward): its "
+            "gradients would be lost. This model's forwards are recorded op by op from the next one on; to "
+            "record it so from the start, use pydisc.lazy(model, fast_record=False) or PYDISC_FAST_RECORD=0.")
+    return _resolved(args), (_resolved(kwargs) if kwargs else kwargs)
+
+
+def _needs_grad(seg: Segment, a) -> bool:
+    """Whether `a` holds a value of `seg` that requires grad."""
+    t = type(a)
+    if t is LazyTensor:
+        return a._fid is not None and a._fseg is seg and seg.rg[a._fid]
+    if isinstance(a, (list, tuple)):
+        return any(_needs_grad(seg, x) for x in a)
+    return False
 
 
 def _set_data(t: LazyTensor, value):
@@ -356,6 +394,7 @@ def install(default: bool = True) -> None:
     inference.pin(_handler_on)
     RECORDER.fast_read = read
     RECORDER.fast_set_data = _set_data
+    RECORDER.fast_dispatched = _dispatched
 
 
 def uninstall() -> None:

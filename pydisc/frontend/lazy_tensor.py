@@ -144,6 +144,12 @@ class Recorder(SymbolicInputs):
         self.fast_read: Callable[[LazyTensor], torch.Tensor] | None = None
         # ... and for `t.data = value`: the tensors to assign with, a segment open being demoted first
         self.fast_set_data: Callable[[LazyTensor, torch.Tensor], tuple] | None = None
+        # Threads building a plan (pydisc/driver/plan.py), which trace on fake tensors: a read of a lazy
+        # tensor's data from one would wait for the step being planned, for ever; it raises instead
+        self.planning: set[int] = set()
+        # ... and for an op whose arguments may hold fast values that bypassed their handler: (args,
+        # kwargs) with the ATen-level tensors they stand for, or None
+        self.fast_dispatched: Callable[[tuple, dict], tuple | None] | None = None
         # While the step before runs on a worker thread (pydisc/driver/inflight.py): the driver's wait for
         # it, `in_flight(reason)`, which binds its results. Called before device data is read and before
         # a result of that step is used; the next step's recording does not otherwise wait.
@@ -264,6 +270,10 @@ class Recorder(SymbolicInputs):
         # One lock serialises recording: autograd runs backward on its own thread per CUDA device, so
         # several threads legitimately record into one step; the lock keeps the trace consistent.
         with self.lock:
+            if self.fast_dispatched is not None:
+                resolved = self.fast_dispatched(args, kwargs)
+                if resolved is not None:
+                    args, kwargs = resolved
             info = OPINFOS.get(id(func))
             if info is None:
                 info = opinfo(func)
@@ -287,6 +297,10 @@ class Recorder(SymbolicInputs):
                     return result
             if info.needs_eager:
                 return self.run_eager(func, args, kwargs, info, fallback=func not in READ_OPS)
+            if kwargs and kwargs.get("device") is not None and _moves(args, kwargs["device"]):
+                # `x.to("cpu")` of a CUDA value, `x.new_zeros(n, device="meta")`: a result on another device
+                # than the op's lazy inputs, which a recorded op cannot make; the data is moved at once
+                return self.run_eager(func, args, kwargs, info, fallback=False)
             if info.written_args and self.writes_eager_tensor(args, kwargs, info):
                 return self.run_eager(func, args, kwargs, info, fallback=False)
             if self.carried_dims is not None and info.is_view:
@@ -614,6 +628,16 @@ class Recorder(SymbolicInputs):
 RECORDER = Recorder()
 
 
+def _moves(args, device) -> bool:
+    """Whether `device` (an op's `device=` argument) is not the device of its first lazy tensor argument."""
+    for a in args:
+        if type(a) is LazyTensor:
+            target = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+            here = a.device
+            return target.type != here.type or (target.index is not None and target.index != here.index)
+    return False
+
+
 def current_trace() -> Trace:
     return RECORDER.trace
 
@@ -630,6 +654,8 @@ def install_driver(run: Callable[[LazyTensor | None, str], None], prune: Callabl
 
 def materialize(t: LazyTensor, *, reason: str = "read") -> torch.Tensor:
     """Device data of `t`, running the pending ops it needs first."""
+    if RECORDER.planning and threading.get_ident() in RECORDER.planning:
+        raise RuntimeError("pydisc: planning a step read the data of one of its lazy tensors (%s)" % reason)
     if RECORDER.in_flight is not None:
         RECORDER.in_flight(reason)
     if t._fid is not None or t._redirect is not None:

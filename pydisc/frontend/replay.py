@@ -283,6 +283,11 @@ def functional_graph(program: Program, example_inputs: list[torch.Tensor],
     def traced(*inputs):
         return program(*inputs, on_entry=on_entry)
 
+    # Traced on fake copies of what the step reads, its data alone: fake tensors made of the inputs
+    # themselves would describe their `.grad` too (an eager tensor's gradient is a lazy tensor once a
+    # step gave it one), whose data is not there yet.
+    example_inputs = [t.detach() if isinstance(t, torch.Tensor) else t for t in example_inputs]
+
     # remove="mutations": views stay views (eager ops in the graph then copy nothing), matching the
     # probe's finding that reapplied views are exact. Inputs with symbolic sizes are traced with
     # torch's Python dispatcher on, as make_fx's own symbolic mode does: C++ meta kernels (that of

@@ -27,7 +27,7 @@ from .tensor import _make_wrapper
 from .source import user_source
 from .trace import Entry, LazyStorage, out_kind
 
-__all__ = ["Segment", "FAST"]
+__all__ = ["Segment", "FAST", "GIVE_UP_AFTER"]
 
 METRICS = _metrics.METRICS
 _NO_SUBCLASS = torch._C.DisableTorchFunctionSubclass
@@ -35,6 +35,7 @@ _grad_enabled = torch.is_grad_enabled
 _is_alias_of = torch._C._is_alias_of
 _Tensor = torch.Tensor
 _GRAD = _Tensor.grad.__get__
+_TO = _Tensor.to
 
 
 
@@ -89,6 +90,9 @@ class Segment:
                     raise Demote("tensor hooks")
             elif t.requires_grad:
                 raise Demote("an eager tensor that requires grad")
+            elif t.device.type != self.device_type and t.device.type != "cpu":
+                # (a CPU tensor beside CUDA ones: a 0-d scalar, an index, which torch takes there)
+                raise Demote("an eager tensor on another device")
             index = self.ext_index[id(t)] = len(self.externals)
             self.externals.append(t)
             self.ext_versions.append(t._version)
@@ -130,11 +134,11 @@ class Segment:
                 raise Demote("a tensor in a slice")
             sig.append(("slice", a.start, a.stop, a.step))
             return a
-        if isinstance(a, (list, tuple)) and any(isinstance(x, _Tensor) for x in pytree.tree_leaves(a)):
+        if isinstance(a, (list, tuple)) and _holds_tensor(a):
             raise Demote("tensors in a %s" % t.__name__)   # a namedtuple, a list subclass
-        if t is torch.device or (t is str and a[:4] in ("cpu", "cuda", "cuda:")):
-            if torch.device(a) != self.device and not (self.device.index is None and torch.device(a).type ==
-                                                        self.device.type):
+        if t is torch.device or (t is str and _device_named(a) is not None):
+            d = torch.device(a)
+            if d != self.device and not (self.device.index is None and d.type == self.device.type):
                 raise Demote("a move to another device")
             sig.append(("device", str(a)))
             return a
@@ -180,6 +184,8 @@ class Segment:
 
     # ---- recording ------------------------------------------------------------------------------
     def record(self, func, args, kwargs):
+        if func is _TO and len(args) > 1 and isinstance(args[1], _Tensor) and args[1].device != self.device:
+            raise Demote("a move to another device")      # `x.to(other)`: to other's device
         amp = _amp(self.device_type)
         sig: list = [func, _grad_enabled(), amp]
         slots: list = []
@@ -329,13 +335,13 @@ class Segment:
         reals = _Reals(self.externals)
         args = [decode(a, env, reals) for a in enc_args]
         kwargs = {k: decode(v, env, reals) for k, v in enc_kwargs.items()}
-        tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, _Tensor)]
+        tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, _Tensor)]    # (plain containers)
         versions = [x._version for x in tensors]
         try:
             out = func(*args, **kwargs)
         except Exception:
             raise Demote(reason) from None      # eager's error, raised again by the demoted step
-        if any(isinstance(x, _Tensor) for x in pytree.tree_leaves(out)) or \
+        if _holds_tensor(out) or \
                 any(x._version != v for x, v in zip(tensors, versions)):
             raise Demote(reason)    # a data-dependent shape, or a write (`h[:, n] = 0`, n a tensor)
         return out
@@ -525,6 +531,37 @@ class _Reals:
         return materialize(x) if type(x) is LazyTensor else x
 
 
+_DEVICE_NAMES: dict[str, torch.device | None] = {}
+
+
+def _device_named(s: str) -> torch.device | None:
+    """The device a string argument names ("cuda:0", "meta"), or None ("mean", "tanh", "ij,jk->ik"); cached."""
+    if s in _DEVICE_NAMES:
+        return _DEVICE_NAMES[s]
+    try:
+        d = torch.device(s)
+    except (RuntimeError, ValueError):
+        d = None
+    if len(_DEVICE_NAMES) < 4096:
+        _DEVICE_NAMES[s] = d
+    return d
+
+
+def _holds_tensor(a) -> bool:
+    """Whether `a` is a tensor or holds one in lists, tuples or dicts, of any subclass (pytree does not
+    look into a list subclass)."""
+    stack = [a]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, _Tensor):
+            return True
+        if isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+    return False
+
+
 def _find(args, kwargs, slot: int):
     """The argument object at tensor slot `slot` (in encoding order). Written without a recursive closure:
     a nested function that calls itself is a reference cycle, and this one would hold the tensors it
@@ -542,6 +579,10 @@ def _find(args, kwargs, slot: int):
         elif type(a) is list or type(a) is tuple:
             stack.extend(reversed(a))
     raise IndexError(slot)
+
+
+# Demotions of a module's forwards in a row after which it records op by op (fast.arm).
+GIVE_UP_AFTER = 2
 
 
 class _Fast:
@@ -571,6 +612,12 @@ class _Fast:
             self.redirects = [r for r in self.redirects if r() is not None]
             self.redirected = bool(self.redirects)
         return self.redirected
+
+    def give_up(self, armed_by) -> None:
+        """`armed_by`'s forwards in its mode are recorded op by op from the next one on (fast.arm)."""
+        if armed_by is not None:
+            module, training = armed_by
+            self.demoted_in_a_row.setdefault(module, {})[training] = GIVE_UP_AFTER
 
     def note(self, armed_by, demoted: bool) -> None:
         """A segment that `armed_by`'s forward opened was demoted, or closed as a fused step."""

@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import copy
 import gc
+import re
+import threading
+import warnings
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import pydisc
 from pydisc.driver import dynamic
@@ -419,10 +425,16 @@ def test_the_default_scope_says_which_devices_record_fast(scope: str, segments: 
 # ---- classes of steps the fast path once got wrong (each equal to eager now, most by demoting) ----
 
 class _Two(nn.Module):
+    """Two layers and a parameter, whose forward is the function it is given: called through the module,
+    whose forward hook opens the segment (its layers called directly would record op by op)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 2)
         self.s = nn.Parameter(torch.full((6,), 2.0))
+
+    def forward(self, x, fn):
+        return fn(self, x)
 
 
 class _STE(torch.autograd.Function):
@@ -477,7 +489,7 @@ def _function_on_a_parameter(m, x):
                          ids=lambda f: f.__name__.strip("_"))
 def test_steps_once_wrong_on_the_fast_path_equal_eager(forward, fast_recording, replayed_eagerly) -> None:
     def step(m, x, y):
-        loss = forward(m, x).square().sum()
+        loss = m(x, forward).square().sum()
         loss.backward()
         return loss
 
@@ -488,6 +500,8 @@ def test_steps_once_wrong_on_the_fast_path_equal_eager(forward, fast_recording, 
         _Two, step, steps=2, batch=batch, opt=lambda p: torch.optim.AdamW(p, lr=0.1, weight_decay=0.1))
     _assert_same(ref, model, losses, lazy_losses)
     assert (model.s.grad is None) == (ref.s.grad is None)
+    m = pydisc.metrics()
+    assert m["fast_segments"] + sum(m["fast_demotions"].values()) == 2, m     # each step began on the fast path
 
 
 def test_two_backwards_through_a_detached_value_equal_eager(fast_recording) -> None:
@@ -842,3 +856,299 @@ def test_parameters_given_one_gradient_tensor_get_gradients_of_their_own(make, f
     assert pydisc.metrics()["fast_segments"] == 4
     for a, b in zip(ref.parameters(), model.parameters()):
         torch.testing.assert_close(b.grad.cpu(), a.grad, rtol=1e-5, atol=1e-6)
+
+
+# ---- every reason the fast path gives a step up for: triggered, counted, and equal to eager ----------
+
+class _Counting(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class _Tensors(list):
+    pass
+
+
+def _scaled(x, options: dict):
+    """A function of a library that takes part in torch's override protocol, with a dict argument."""
+    if torch.overrides.has_torch_function((x,)):
+        return torch.overrides.handle_torch_function(_scaled, (x,), x, options)
+    return x * options["scale"]
+
+
+def _zeros_sized(size, like=None):
+    """... and one whose overridable call passes no tensor on (its dispatch argument is only `like`)."""
+    if like is not None and torch.overrides.has_torch_function((like,)):
+        return torch.overrides.handle_torch_function(_zeros_sized, (like,), size)
+    return torch.zeros(size)
+
+
+def _carried(m, x):
+    """A value kept for the next step (truncated backpropagation), made by a step that was demoted."""
+    h = m.a(x)
+    out = h + m.carry if "carry" in m.__dict__ else h
+    m.carry = h.detach()
+    if "demoted" not in m.__dict__:
+        m.demoted = True
+        h.retain_grad()
+    return m.b(out)
+
+
+def _eager_weight(m, x):
+    w = m.__dict__.setdefault("w", torch.full((6,), 0.5, requires_grad=True))   # not the module's: eager
+    return m.b(m.a(x) * w)
+
+
+def _step_of(forward):
+    def step(m, x):
+        loss = m(x, forward).square().sum()
+        loss.backward()
+        return loss
+    return step
+
+
+def _backward_outside_the_segment(m, x):
+    reg = m.s.square().sum() * 0.01      # before the forward: recorded op by op
+    loss = m(x, lambda m, x: m.b(m.a(x) * m.s)).square().sum()
+    reg.backward()
+    loss.backward()
+    return loss + reg
+
+
+def _history(m, x):
+    s2 = m.s * 2                         # before the forward, with autograd's history
+    loss = m(x, lambda m, x: m.b(m.a(x) * s2)).square().sum()
+    loss.backward()
+    return loss
+
+
+def _no_backward(m, x):
+    return m(x, lambda m, x: m.b(m.a(x))).square().sum()     # a loss kept past mark_step, no backward
+
+
+def _h(f):
+    """A forward that does `f` to the first layer's output `h` and returns the second layer's of `f`'s result."""
+    def forward(m, x):
+        h = m.a(x)
+        return m.b(f(m, h))
+    return forward
+
+
+def _set(attribute, value):
+    def f(m, h):
+        setattr(h, attribute, value(h))
+        return h
+    return f
+
+
+_DEMOTIONS = [
+    ("a call returning no tensor", _h(lambda m, h: h if torch.is_same_size(h, h) else -h)),
+    ("a call without tensors", _h(lambda m, h: h + _zeros_sized(h.shape, like=h))),
+    ("a dict argument", _h(lambda m, h: _scaled(h, {"scale": 2.0}))),
+    ("a functorch transform or a dispatch mode", _h(lambda m, h: _under_a_mode(lambda: h * 2))),
+    ("a move to another device", _h(lambda m, h: h if h.detach().to("meta").device.type == "meta" else -h)),
+    ("a move to another device", _h(lambda m, h: h if h.detach().to(torch.ones(1, device="meta")).is_meta else -h)),
+    ("a tensor in a slice", _h(lambda m, h: h[:, :torch.tensor(3)].sum(dim=1, keepdim=True).expand(-1, 6))),
+    ("tensors in a _Tensors", _h(lambda m, h: torch.cat(_Tensors([h[:, :3], h[:, 3:]]), dim=1))),
+    ("an argument that cannot be hashed", _h(lambda m, h: h * h.new_tensor(np.full(6, 2.0, dtype=np.float32)))),
+    ("a value of a demoted step", _carried),
+    ("a value of the step used where the fast recorder cannot follow it",
+     _h(lambda m, h: h + _in_a_thread(lambda: h.detach() * 2))),
+    ("a value of the step used where the fast recorder cannot follow it",
+     _h(lambda m, h: setattr(m.s, "grad", h.detach()[0].clone()) or h * m.s)),
+    ("a view of a parameter or input kept past the backward", _h(lambda m, h: setattr(m, "kept", m.a.weight.t()) or h)),
+    ("a write into a value that has views", _h(lambda m, h: _written_with_a_view(h))),
+    ("torch.autograd.grad", _h(lambda m, h: h + torch.autograd.grad(m.b(h).sum(), h, create_graph=True)[0])),
+    ("a value that requires grad kept past the backward, outside the loss's graph",
+     _h(lambda m, h: setattr(m, "kept", h * 3) or h.detach())),
+    ("an eager tensor that requires grad", _eager_weight),
+    ("an eager tensor on another device", _h(lambda m, h: torch.empty(6, device="meta").copy_(h[0]).is_meta and h)),
+    ("no meta kernel: Tensor.__getitem__", _h(lambda m, h: h + h[h > 0].sum())),
+    ("grad_fn", _h(lambda m, h: h if h.grad_fn is not None else -h)),
+    ("grad", _h(lambda m, h: h if h.grad is None else -h)),
+    ("a .grad written", _h(_set("grad", lambda h: torch.zeros(5, 6)))),
+    ("retain_grad", _h(lambda m, h: h.retain_grad() or h)),
+    ("requires_grad_", _h(lambda m, h: h.detach().requires_grad_())),
+    ("requires_grad written", _h(lambda m, h: setattr(m.s, "requires_grad", True) or h * m.s)),
+    (".data written", _h(_set("data", lambda h: h.data * 2))),
+]
+_STEPS = [
+    ("backward of a value the segment did not make", _backward_outside_the_segment),
+    ("an input with autograd history", _history),
+    ("a value that requires grad kept past mark_step", _no_backward),
+]
+
+
+def _under_a_mode(fn):
+    with _Counting():
+        return fn()
+
+
+def _written_with_a_view(h):
+    v = h[:, :3]
+    h.mul_(2)
+    return h + v.sum(dim=1, keepdim=True)
+
+
+def _in_a_thread(fn):
+    out = []
+    thread = threading.Thread(target=lambda: out.append(fn()))
+    thread.start()
+    thread.join()
+    return out[0]
+
+
+@pytest.mark.parametrize("reason,step", [(r, _step_of(f)) for r, f in _DEMOTIONS] + _STEPS,
+                         ids=[r for r, _ in _DEMOTIONS + _STEPS])
+def test_each_cause_of_demotion_is_counted_and_the_step_equals_eager(reason, step, fast_recording,
+                                                                     replayed_eagerly) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses, lazy_losses, ref, model = _train(
+            _Two, lambda m, x, y: step(m, x), steps=3, batch=lambda g: (torch.randn(5, 4, generator=g), None),
+            opt=lambda p: torch.optim.AdamW(p, lr=0.1, weight_decay=0.1))
+    _assert_same(ref, model, losses, lazy_losses)
+    assert not [w.message for w in caught if "pydisc" in str(w.message)]    # (planned, not run eagerly instead)
+    for name in ("w", "carry"):
+        if name in ref.__dict__:
+            a, b = ref.__dict__[name], model.__dict__[name]
+            torch.testing.assert_close((b.grad if a.grad is not None else b).cpu(), a.grad if a.grad is not None else a)
+    assert pydisc.metrics()["fast_demotions"].get(reason, 0) >= 1, pydisc.metrics()["fast_demotions"]
+
+
+@pytest.mark.cuda
+def test_autocast_of_another_device_demotes(fast_recording, replayed_eagerly) -> None:
+    def forward(m, x):
+        with torch.autocast("cuda", dtype=torch.float16):
+            return m.b(m.a(x))
+
+    losses, lazy_losses, ref, model = _train(
+        _Two, lambda m, x, y: _step_of(forward)(m, x), steps=2,
+        batch=lambda g: (torch.randn(5, 4, generator=g), None))
+    _assert_same(ref, model, losses, lazy_losses)
+    assert pydisc.metrics()["fast_demotions"].get("autocast on another device", 0) >= 1
+
+
+@pytest.mark.parametrize("reason,forward,error", [
+    ("backward of a value eager refuses", lambda m, x: m(x, lambda m, x: m.b(m.a(x))), "implicitly created"),
+    ("backward of a value eager refuses", lambda m, x: m(x, lambda m, x: m.b(m.a(x))).sum().detach(), "does not require grad"),
+], ids=["not-a-scalar", "no-grad"])
+def test_a_backward_eager_refuses_raises_eagers_error(reason, forward, error, fast_recording, replayed_eagerly) -> None:
+    torch.manual_seed(0)
+    ref = _Two()
+    model = pydisc.lazy(copy.deepcopy(ref))
+    x = torch.randn(5, 4)
+    for m in (ref, model):
+        with pytest.raises(RuntimeError, match=error):
+            forward(m, x).backward()
+    pydisc.mark_step()
+    assert pydisc.metrics()["fast_demotions"].get(reason) == 1
+
+
+def test_a_functorch_transform_inside_the_forward_is_an_error_then_op_by_op(fast_recording, replayed_eagerly) -> None:
+    """`torch.vmap` inside a forward hands its ops to the dispatcher without the handler: their results would
+    carry no gradient. The step raises, saying what to do; the model's next forwards record op by op and
+    train as eager."""
+    def forward(m, x):
+        h = m.a(x)
+        return m.b(torch.vmap(torch.mul)(h, h))
+
+    torch.manual_seed(0)
+    ref = _Two()
+    model = pydisc.lazy(copy.deepcopy(ref))
+    g = torch.Generator().manual_seed(1)
+    with pytest.raises(RuntimeError, match="fast_record=False"):
+        model(torch.randn(5, 4, generator=g), forward)
+    pydisc.mark_step()
+    assert pydisc.metrics()["fast_demotions"] == {"a functorch transform or a dispatch mode": 1}
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
+    for _ in range(2):
+        x = torch.randn(5, 4, generator=g)
+        for m, opt in zip((ref, model), opts):
+            opt.zero_grad()
+            _step_of(forward)(m, x)
+            opt.step()
+        pydisc.mark_step()
+    for a, b in zip(ref.parameters(), model.parameters()):
+        torch.testing.assert_close(b.cpu(), a, rtol=1e-5, atol=1e-6)
+    assert pydisc.metrics()["fast_skipped"] == 2
+
+
+def test_a_planning_failure_of_a_fused_step_records_op_by_op_from_then_on(fast_recording, monkeypatch) -> None:
+    from pydisc.driver import plan
+
+    def fails(program, *args, **kwargs):
+        exc = RuntimeError("injected")
+        exc.pydisc_entry = next(i for i, e in enumerate(program.entries) if isinstance(e[0], fast.FusedStep))
+        raise exc
+
+    monkeypatch.setattr(plan, "functional_graph", fails)
+    with pytest.warns(UserWarning, match="could not build a functional graph"):
+        losses, lazy_losses, ref, model = _train(
+            _Two, lambda m, x, y: _step_of(lambda m, x: m.b(m.a(x)))(m, x), steps=3,
+            batch=lambda g: (torch.randn(5, 4, generator=g), None))
+    _assert_same(ref, model, losses, lazy_losses)
+    m = pydisc.metrics()
+    assert m["fast_demotions"] == {"planning failed: RuntimeError": 1} and m["fast_segments"] == 1, m
+
+
+# Causes tested by name in other tests (of this file, or "path::test"), and the checks no step can reach
+# (None: what would reach them is refused earlier).
+_TESTED_ELSEWHERE = {
+    "tensor hooks": "test_what_the_fast_path_cannot_follow_is_demoted_and_equals_eager",
+    "autograd.Function (%s)": "test_what_the_fast_path_cannot_follow_is_demoted_and_equals_eager",
+    "backward with arguments": "test_what_the_fast_path_cannot_follow_is_demoted_and_equals_eager",
+    "a write into a tensor the step did not make": "test_what_the_fast_path_cannot_follow_is_demoted_and_equals_eager",
+    "a value read before mark_step that depends on random numbers": "test_a_read_of_random_values_demotes_and_matches_the_step",
+    "an in-place op that changes sizes": "test_sizes_read_after_an_in_place_view_op_are_eagers",
+    "a value read before mark_step": "test_strict_mode_refuses_a_read_in_a_fast_forward",
+    "backward of a value eager refuses": "test_a_backward_eager_refuses_raises_eagers_error",
+    "planning failed: %s": "test_a_planning_failure_of_a_fused_step_records_op_by_op_from_then_on",
+    "autocast on another device": "test_autocast_of_another_device_demotes",    # (on a CUDA machine)
+    "dynamic shapes: no template takes the fast step":
+        "tests/driver/test_fast_match.py::test_a_fast_step_no_template_takes_goes_back_to_the_dispatcher",
+    # a segment's values lose their ids when it ends (close, demote, abandon), and one is open at a time
+    "a value of another segment": None,
+    # no segment starts in a step with symbolic sizes, and a step's inputs are made before it starts
+    "a symbolic size": None,
+    # a device named in the call demotes first (`a move to another device`): the meta run's own check
+    "a call that makes a tensor on another device": None,
+}
+
+
+def test_strict_mode_refuses_a_read_in_a_fast_forward(fast_recording, replayed_eagerly, monkeypatch) -> None:
+    from pydisc.config import CONFIG
+    from pydisc.frontend.tensor import StrictModeError
+
+    monkeypatch.setattr(CONFIG, "strict", True)
+    model = pydisc.lazy(_Two())
+    with pytest.raises(StrictModeError, match="read before mark_step"):
+        model(torch.randn(5, 4), _h(lambda m, h: h * float(h.sum())))
+    pydisc.mark_step()
+    assert pydisc.metrics()["fast_demotions"] == {"a value read before mark_step": 1}
+
+
+def _prefix(reason: str) -> str:
+    return reason.split("%s")[0].rstrip(" :(")
+
+
+def test_every_cause_of_demotion_has_a_test() -> None:
+    """The reasons the sources give (`Demote(...)`, `demote(...)`, `refuse(...)` and the autograd calls the
+    handler does not follow) are each triggered by a test above, or by the test `_TESTED_ELSEWHERE` names."""
+    root = Path(pydisc.__file__).parent
+    pattern = re.compile(r'(?:Demote|demote|refuse)\(\s*"([^"]+)"')
+    found = set()
+    for path in root.rglob("*.py"):
+        found.update(pattern.findall(path.read_text()))
+    found.update(reason for func, reason in fast._AUTOGRAD_STATE.items()
+                 if func not in (fast._REQUIRES_GRAD, fast._IS_LEAF))     # (those two are answered, not demoted)
+    found.add("a value that requires grad kept past mark_step")           # (the other arm of a conditional)
+    tested = [_prefix(r) for r, _ in _DEMOTIONS + _STEPS] + [_prefix(r) for r in _TESTED_ELSEWHERE]
+    # (a reason with a `%s` is covered by a test of any of its forms: "no meta kernel: Tensor.__getitem__")
+    assert not sorted(r for r in found if not any(t.startswith(_prefix(r)) for t in tested))
+    for reason, test in _TESTED_ELSEWHERE.items():
+        if test is None:
+            continue
+        path, _, name = test.rpartition("::")
+        source = (root.parent / path).read_text() if path else Path(__file__).read_text()
+        assert "def %s(" % name in source and reason.split("%s")[0] in source, (reason, test)

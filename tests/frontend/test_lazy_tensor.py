@@ -2,6 +2,7 @@
 import copy
 import io
 import threading
+import warnings
 
 import pytest
 import torch
@@ -297,6 +298,79 @@ def test_a_lazy_model_converted_with_double_and_data_assignments_trains_like_eag
     for a, b in zip(ref.parameters(), model.parameters()):
         assert b.dtype == torch.float64
         torch.testing.assert_close(b.cpu(), a, rtol=1e-9, atol=1e-9)
+
+
+def test_an_op_that_makes_its_result_on_another_device_runs_eagerly_there():
+    """`x.to("meta")`, `x.new_zeros(n, device=...)`: the recorder made such results on the lazy input's
+    device (the op's meta kernel runs everything on meta), so a tensor said to be moved was not."""
+    x = lazy(torch.arange(3.0)) * 2
+    for moved in (x.to("meta"), x.to(torch.device("meta")), x.new_zeros(2, device="meta")):
+        assert moved.device.type == "meta"
+    same = x.to("cpu") + 1                  # no move: recorded
+    assert same.device.type == "cpu"
+    pydisc.mark_step()
+    assert_same(same, torch.arange(3.0) * 2 + 1)
+
+
+@pytest.mark.cuda
+def test_a_cuda_value_moved_to_the_cpu_is_on_the_cpu():
+    x = pydisc.to_lazy(torch.arange(3.0, device="cuda")) * 2
+    moved = x.to("cpu")
+    assert moved.device.type == "cpu" and x.to(device="cuda:0").device.type == "cuda"
+    pydisc.mark_step()
+    assert_same(moved + 1, torch.arange(3.0) * 2 + 1)
+
+
+def test_an_eager_tensor_that_requires_grad_in_a_lazy_model_trains_like_eager():
+    """The eager tensor's gradient is a lazy tensor after the first step; planning the second traced a
+    fake copy of the tensor, which read that gradient's data from inside the step: mark_step hung."""
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 6)
+
+        def forward(self, x):
+            w = self.__dict__.setdefault("w", torch.full((6,), 0.5, requires_grad=True))     # not the module's
+            return (self.lin(x) * w).square().sum()
+
+    torch.manual_seed(0)
+    ref = Scaled()
+    model = pydisc.lazy(copy.deepcopy(ref), fast_record=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")      # planned and compiled, not run eagerly instead
+        for _ in range(3):
+            x = torch.randn(5, 4)
+            for m in (ref, model):
+                loss = m(x)
+                loss.backward()
+                pydisc.mark_step()
+                assert_same(model.lin.weight.grad, ref.lin.weight.grad) if m is model else None
+    assert_same(model.w.grad, ref.w.grad)
+
+
+def test_a_read_of_lazy_data_while_a_plan_is_built_raises_instead_of_waiting():
+    """A plan is traced in a thread of its own while mark_step holds the recorder: a read of lazy data there
+    would wait for that step for ever. It raises (and the step then runs eagerly, with a warning)."""
+    x = pydisc.to_lazy(torch.ones(3)) * 2
+    errors = []
+
+    def plan():
+        RECORDER.planning.add(threading.get_ident())
+        try:
+            x.tolist()
+        except RuntimeError as exc:
+            errors.append(str(exc))
+        finally:
+            RECORDER.planning.discard(threading.get_ident())
+
+    with RECORDER.lock:
+        thread = threading.Thread(target=plan)
+        thread.start()
+        thread.join(timeout=30)
+    thread.join()
+    assert errors and "planning a step read the data" in errors[0]
+    pydisc.mark_step()
+    assert x.tolist() == [2.0, 2.0, 2.0]
 
 
 def test_a_new_graph_runs_eagerly_and_compiles_when_it_comes_back(monkeypatch):
