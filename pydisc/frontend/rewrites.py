@@ -23,7 +23,7 @@ from torch.utils._mode_utils import no_dispatch
 
 from .dtype_checks import EAGER_DTYPE_CHECKS, eager_dtype_error
 from .foreach import optimizers_take_their_foreach_path, record_foreach
-from .lazy_tensor import RECORDER, LazyTensor, LiftedScalar, liftable
+from .lazy_tensor import RECORDER, LazyTensor, LiftedScalar, liftable, to_lazy
 from .op_facts import REWRITES, opinfo
 
 __all__ = ["install_rewrites"]
@@ -171,6 +171,29 @@ def _inplace_metadata(view_op):
     return rewrite
 
 
+def _set_tensor(func, args, kwargs):
+    """`x.set_(y)`: x holds y's data, in y's layout and on its storage, from now on. Run eagerly on the
+    device data, the wrapper kept its sizes and the values it was recorded with: reads disagreed with
+    what x computed. Here x takes the place of an alias of y, its sizes changed as for the in-place view
+    ops above (an eager `y` is wrapped without a copy)."""
+    target, source = args[0], args[1]
+    if not isinstance(target, LazyTensor) or kwargs:
+        return NotImplemented
+    if not isinstance(source, LazyTensor):
+        source = to_lazy(source)
+    alias = aten.alias.default(source)
+    with no_dispatch():
+        meta_in_tls = torch._C._meta_in_tls_dispatch_include()
+        torch._C._set_meta_in_tls_dispatch_include(True)
+        try:
+            func(target, source)
+        finally:
+            torch._C._set_meta_in_tls_dispatch_include(meta_in_tls)
+    target._storage = alias._storage
+    RECORDER.adopt(target, alias)
+    return target
+
+
 def _resize(func, args, kwargs):
     """`x.resize_(size)`: a no-op at the same size, a view (taking the tensor's place, as above) at the
     same number of elements of a contiguous tensor; anything else would need new storage under a
@@ -244,6 +267,7 @@ def install_rewrites() -> None:
     r[aten._conj.default] = lambda func, args, kwargs: aten.conj_physical.default(*args, **kwargs)
     r[aten._neg_view.default] = lambda func, args, kwargs: aten.neg.default(*args, **kwargs)
     r[aten.resize_.default] = _resize
+    r[aten.set_.source_Tensor] = _set_tensor
     r[aten.cudnn_batch_norm.default] = _cudnn_batch_norm
     r[aten.cudnn_batch_norm_backward.default] = _cudnn_batch_norm_backward
     for name in EAGER_DTYPE_CHECKS:    # (last: around the rewrites above)

@@ -273,6 +273,23 @@ def test_data_assignment_gives_the_tensor_the_new_value():
         assert_same(lazy_t, eager_t)
 
 
+def test_set_gives_the_tensor_another_ones_storage_and_layout():
+    """`x.set_(y)` ran eagerly on the device data: the wrapper kept its sizes and its recorded value."""
+    out = []
+    for wrap in (lambda t: t.clone(), lazy):
+        a, b = wrap(torch.ones(2, 3)), wrap(torch.arange(4.0)) * 2
+        a.set_(b)
+        before = a + 1
+        b.add_(1)                           # one storage: a sees the write
+        c = wrap(torch.zeros(2))
+        c.set_(torch.full((3,), 7.0))       # an eager tensor's
+        out.append((a, before, a * 1, c + 1))
+    pydisc.mark_step()
+    for lazy_t, eager_t in zip(out[1], out[0]):
+        assert lazy_t.shape == eager_t.shape
+        assert_same(lazy_t, eager_t)
+
+
 def test_a_lazy_model_converted_with_double_and_data_assignments_trains_like_eager():
     """`Module.double()` (and `.half()`, `.to(dtype)`) sets each parameter's `.data`: the lazy model's
     parameters said float64 and held float32 values, and its first step failed at mark_step."""
