@@ -66,12 +66,13 @@ class NoMeta(Demote):
     """No meta kernel says what the call gives: it reads data (`bool(t)`, `.item()`) or its shapes do."""
 
 
-def _amp(device_type: str):
+def _amp(device_type: str, others: bool = True):
     """The autocast dtype in force for `device_type`'s tensors, or None; Demote where another device's
-    autocast is on too (it would cast the eager tensors of other devices a call takes)."""
+    autocast is on too (it would cast the eager tensors of other devices a call takes), unless `others`
+    is False (a replay, which sets the state each call was recorded under)."""
     if not _autocast():
         return None
-    if any(torch.is_autocast_enabled(d) for d in _AMP_DEVICES if d != device_type):
+    if others and any(torch.is_autocast_enabled(d) for d in _AMP_DEVICES if d != device_type):
         raise Demote("autocast on another device")
     if not torch.is_autocast_enabled(device_type):
         return None
@@ -144,7 +145,7 @@ class FusedStep:
         env: dict[int, torch.Tensor] = {}
         device_type = self.device_type
         with contextlib.ExitStack() as stack:
-            amp_now = _amp(device_type)
+            amp_now = _amp(device_type, others=False)
             for k, (func, args, kwargs, out_fids, (grad, amp), out_leaves) in enumerate(self.entries):
                 if on_call is not None:
                     on_call(k)
