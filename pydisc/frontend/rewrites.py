@@ -23,6 +23,7 @@ from torch.utils._mode_utils import no_dispatch
 
 from .dtype_checks import EAGER_DTYPE_CHECKS, eager_dtype_error
 from .foreach import optimizers_take_their_foreach_path, record_foreach
+from .layout import contiguous_strides
 from .lazy_tensor import RECORDER, LazyTensor, LiftedScalar, liftable, to_lazy
 from .op_facts import REWRITES, opinfo
 
@@ -194,6 +195,25 @@ def _set_tensor(func, args, kwargs):
     return target
 
 
+def _set_storage(func, args, kwargs):
+    """`x.set_(storage, offset, size, stride)`: as `x.set_(y)` for `y` the eager tensor over that storage."""
+    target = args[0]
+    if not isinstance(target, LazyTensor):
+        return NotImplemented
+    names = ("source", "storage_offset", "size", "stride")
+    bound = dict(zip(names, args[1:]))
+    bound.update(kwargs)
+    storage = bound["source"]
+    with no_dispatch():
+        source = torch.empty(0, dtype=target.dtype, device=storage.device)
+        if "storage_offset" in bound:
+            stride = bound.get("stride") or contiguous_strides(bound["size"])
+            source.set_(storage, bound["storage_offset"], bound["size"], stride)
+        else:
+            source.set_(storage)
+    return _set_tensor(aten.set_.source_Tensor, (target, source), {})
+
+
 def _resize(func, args, kwargs):
     """`x.resize_(size)`: a no-op at the same size, a view (taking the tensor's place, as above) at the
     same number of elements of a contiguous tensor; anything else would need new storage under a
@@ -268,6 +288,8 @@ def install_rewrites() -> None:
     r[aten._neg_view.default] = lambda func, args, kwargs: aten.neg.default(*args, **kwargs)
     r[aten.resize_.default] = _resize
     r[aten.set_.source_Tensor] = _set_tensor
+    r[aten.set_.source_Storage] = _set_storage
+    r[aten.set_.source_Storage_storage_offset] = _set_storage
     r[aten.cudnn_batch_norm.default] = _cudnn_batch_norm
     r[aten.cudnn_batch_norm_backward.default] = _cudnn_batch_norm_backward
     for name in EAGER_DTYPE_CHECKS:    # (last: around the rewrites above)

@@ -113,6 +113,16 @@ class LazyTensor(torch.Tensor):
         # the wrapper's own storage has no data (torch: "data is not allocated yet"): the device data's
         return self._read(self, reason="untyped_storage").untyped_storage()
 
+    def __dlpack__(self, *args, **kwargs):
+        # (torch's own reads the wrapper, which has no data: the process crashed)
+        return self._read(self, reason="dlpack").__dlpack__(*args, **kwargs)
+
+    def apply_(self, callable):
+        # (torch's own calls `callable` on each element of the wrapper, which has no data: the process crashed)
+        raise RuntimeError("pydisc: apply_ calls Python on each element of a tensor's data, which a lazy tensor "
+                           "only has once its step has run; use elementwise torch ops, or apply_ to an eager "
+                           "copy (t.cpu()) and make it lazy again (pydisc.to_lazy)")
+
     def tolist(self):
         return self._read(self, reason="tolist").tolist()
 

@@ -283,11 +283,22 @@ def test_set_gives_the_tensor_another_ones_storage_and_layout():
         b.add_(1)                           # one storage: a sees the write
         c = wrap(torch.zeros(2))
         c.set_(torch.full((3,), 7.0))       # an eager tensor's
-        out.append((a, before, a * 1, c + 1))
+        d = wrap(torch.zeros(2))
+        d.set_(torch.arange(10.0).untyped_storage(), 2, (2, 2), (1, 2))    # a storage, in a layout
+        out.append((a, before, a * 1, c + 1, d * 1))
     pydisc.mark_step()
     for lazy_t, eager_t in zip(out[1], out[0]):
         assert lazy_t.shape == eager_t.shape
         assert_same(lazy_t, eager_t)
+
+
+def test_reads_of_the_data_that_bypass_the_dispatcher_do_not_crash():
+    """`torch.from_dlpack(x)` and `x.apply_(f)` read the wrapper's data directly, which it has not got:
+    the process crashed (a segmentation fault)."""
+    x = lazy(torch.arange(4.0)) * 2
+    torch.testing.assert_close(torch.from_dlpack(x), torch.arange(4.0) * 2)     # the device data, run first
+    with pytest.raises(RuntimeError, match="apply_ calls Python on each element"):
+        x.apply_(lambda v: v * 3)
 
 
 def test_a_lazy_model_converted_with_double_and_data_assignments_trains_like_eager():
