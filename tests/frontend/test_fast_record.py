@@ -927,7 +927,7 @@ def _no_backward(m, x):
 
 
 def _h(f):
-    """A forward that does `f` to the first layer's output `h` and returns the second layer's of `f`'s result."""
+    """A forward that does `f` to the first layer's output `h` and gives what the second layer makes of the result."""
     def forward(m, x):
         h = m.a(x)
         return m.b(f(m, h))
