@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import inspect
 import re
 import threading
 import warnings
@@ -18,9 +19,10 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import pydisc
-from pydisc.driver import dynamic
+from pydisc.config import CONFIG
+from pydisc.driver import dynamic, plan
 from pydisc.frontend import fast, segment
-from pydisc.frontend.tensor import LazyTensor
+from pydisc.frontend.tensor import LazyTensor, StrictModeError
 from pydisc.metrics import METRICS
 
 
@@ -41,8 +43,6 @@ def replayed_eagerly(monkeypatch):
     """Recording is the subject, not compiling: the recorded steps replay in torch at mark_step
     (PYDISC_DISABLE), not through IREE, whose compiles of each variant cost ~20 s on a 2-core CPU.
     The tests that compile (the block, the HF models, autocast) cover the planned path."""
-    from pydisc.config import CONFIG
-
     monkeypatch.setattr(CONFIG, "disable", True)
 
 
@@ -1075,8 +1075,6 @@ def test_a_functorch_transform_inside_the_forward_is_an_error_then_op_by_op(fast
 
 
 def test_a_planning_failure_of_a_fused_step_records_op_by_op_from_then_on(fast_recording, monkeypatch) -> None:
-    from pydisc.driver import plan
-
     def fails(program, *args, **kwargs):
         exc = RuntimeError("injected")
         exc.pydisc_entry = next(i for i, e in enumerate(program.entries) if isinstance(e[0], fast.FusedStep))
@@ -1117,9 +1115,6 @@ _TESTED_ELSEWHERE = {
 
 
 def test_strict_mode_refuses_a_read_in_a_fast_forward(fast_recording, replayed_eagerly, monkeypatch) -> None:
-    from pydisc.config import CONFIG
-    from pydisc.frontend.tensor import StrictModeError
-
     monkeypatch.setattr(CONFIG, "strict", True)
     model = pydisc.lazy(_Two())
     with pytest.raises(StrictModeError, match="read before mark_step"):
@@ -1150,5 +1145,10 @@ def test_every_cause_of_demotion_has_a_test() -> None:
         if test is None:
             continue
         path, _, name = test.rpartition("::")
-        source = (root.parent / path).read_text() if path else Path(__file__).read_text()
-        assert "def %s(" % name in source and reason.split("%s")[0] in source, (reason, test)
+        if path:        # the test's own text, from its `def` to the next one
+            text = (root.parent / path).read_text()
+            start = text.index("def %s(" % name)
+            source = text[start:text.find("\ndef ", start + 1)]
+        else:           # (with its decorators, where its cases are)
+            source = inspect.getsource(globals()[name])
+        assert reason.split("%s")[0] in source, (reason, test)
