@@ -5,7 +5,8 @@ return in every output slot.
 which returns the output and the logsumexp of each row's scores, and autograd hands both to
 `_scaled_dot_product_flash_attention_for_cpu_backward`. torch's own decomposition of the forward (kept
 for export) returns the attention probabilities where the kernel returns the logsumexp, so a backward
-fed from it computes garbage. Here both are written out in float32, as the kernel accumulates:
+fed from it computes garbage. Here both are written out in the kernel's accumulation type (float32, or
+float64 for float64 inputs; the logsumexp has that type too):
 
     forward   s = q @ k^T * scale + bias;  lse = logsumexp(s);  out = exp(s - lse) @ v
     backward  p = exp(s - lse);  dv = p^T @ g;  ds = p * (g @ v^T - rowsum(g * out))
@@ -41,20 +42,26 @@ def _shared(t: torch.Tensor, heads) -> torch.Tensor:
     return t if groups == 1 else t.repeat_interleave(groups, dim=1)
 
 
+def _accumulation(t: torch.Tensor) -> torch.dtype:
+    """The kernel's accumulation type (`at::opmath_type`): float32 for float32 and narrower floats, else the dtype."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
 def _scores(q: torch.Tensor, k: torch.Tensor, is_causal: bool, attn_mask: torch.Tensor | None,
             scale) -> torch.Tensor:
-    s = torch.matmul(q.to(torch.float32), _shared(k, q.size(1)).to(torch.float32).transpose(-2, -1)) * scale
+    acc = _accumulation(q)
+    s = torch.matmul(q.to(acc), _shared(k, q.size(1)).to(acc).transpose(-2, -1)) * scale
     if is_causal:
         rows, cols = q.size(-2), k.size(-2)
         keep = torch.ones(rows, cols, dtype=torch.bool, device=q.device).tril()
         s = s.masked_fill(~keep, float("-inf"))
     if attn_mask is not None:
-        s = s + attn_mask.to(torch.float32)
+        s = s + attn_mask.to(acc)
     return s
 
 
 def _probabilities(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    return torch.exp(s - lse.unsqueeze(-1))
+    return torch.exp(s - lse.to(s.dtype).unsqueeze(-1))
 
 
 def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float = 0.0,
@@ -65,7 +72,7 @@ def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropou
     s = _scores(query, key, is_causal, attn_mask, _scale(query, scale))
     lse = torch.logsumexp(s, -1)
     lse = torch.where(lse == float("-inf"), torch.zeros_like(lse), lse)   # a fully masked row
-    out = torch.matmul(_probabilities(s, lse), _shared(value, query.size(1)).to(torch.float32))
+    out = torch.matmul(_probabilities(s, lse), _shared(value, query.size(1)).to(s.dtype))
     return out.to(query.dtype), lse
 
 
@@ -78,12 +85,13 @@ def _backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, va
     heads = query.size(1)
     factor = _scale(query, scale)
     p = _probabilities(_scores(query, key, is_causal, attn_mask, factor), logsumexp)
-    g = grad_out.to(torch.float32)
+    acc = p.dtype
+    g = grad_out.to(acc)
     grad_value = torch.matmul(p.transpose(-2, -1), g)
-    dp = torch.matmul(g, _shared(value, heads).to(torch.float32).transpose(-2, -1))
-    ds = p * (dp - (g * out.to(torch.float32)).sum(-1, keepdim=True))
-    grad_query = torch.matmul(ds, _shared(key, heads).to(torch.float32)) * factor
-    grad_key = torch.matmul(ds.transpose(-2, -1), query.to(torch.float32)) * factor
+    dp = torch.matmul(g, _shared(value, heads).to(acc).transpose(-2, -1))
+    ds = p * (dp - (g * out.to(acc)).sum(-1, keepdim=True))
+    grad_query = torch.matmul(ds, _shared(key, heads).to(acc)) * factor
+    grad_key = torch.matmul(ds.transpose(-2, -1), query.to(acc)) * factor
     kv_heads = key.size(1)
     if kv_heads != heads:       # each shared head gets the gradients of the query heads that read it
         b, _, s, e = grad_key.shape

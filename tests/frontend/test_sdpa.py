@@ -66,7 +66,8 @@ CASES = {
 }
 
 
-def train(make, steps: int = 4, mask=None, opt=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)):
+def train(make, steps: int = 4, mask=None, opt=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+          dtype=torch.float32):
     """Train `make()` eagerly and under pydisc from the same weights and batches; returns both models,
     both loss lists and the metrics of the pydisc side."""
     torch.manual_seed(0)
@@ -77,7 +78,7 @@ def train(make, steps: int = 4, mask=None, opt=lambda p: torch.optim.SGD(p, lr=0
     g = torch.Generator().manual_seed(0)
     losses_e, losses_l = [], []
     for step in range(steps):
-        x, target = torch.randn(B, T, D, generator=g), torch.randn(B, T, D, generator=g)
+        x, target = torch.randn(B, T, D, generator=g, dtype=dtype), torch.randn(B, T, D, generator=g, dtype=dtype)
         for model, optimizer, losses in ((eager, opt_e, losses_e), (lazy, opt_l, losses_l)):
             torch.manual_seed(100 + step)       # the same dropout masks on both sides
             loss = (model(x, mask) - target).pow(2).mean()
@@ -115,6 +116,23 @@ def test_sdpa_trains_like_eager_and_compiles(case: str) -> None:
     assert not MATMULS & set(m["fallback_ops"]), m["fallback_ops"]
     random_ops = {"aten.bernoulli.p"}      # dropout draws its mask from torch's generator, eagerly
     assert set(m["fallback_ops"]) <= (random_ops if case == "dropout" else set()), m["fallback_ops"]
+
+
+@pytest.mark.parametrize("fast", ["all", "off"])
+def test_float64_attention_trains_like_eager_and_plans_whole(fast: str, monkeypatch) -> None:
+    """The kernel accumulates a float64 input in float64 and returns a float64 logsumexp. Written out in
+    float32, the backward multiplied float64 by float32: the fast step failed to plan and fell back op
+    by op (values right, nothing fused)."""
+    monkeypatch.setattr(CONFIG, "fast_record", fast)
+    mask = _masks("float").double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", pydisc.PydiscWarning)
+        eager, lazy, le, ll, m = train(lambda: Attention(2, is_causal=False, enable_gqa=True).double(),
+                                       steps=3, mask=mask, dtype=torch.float64)
+    assert lazy.qkv.weight.dtype == torch.float64
+    assert_same_training(eager, lazy, le, ll, rtol=1e-9, atol=1e-10)
+    assert not m["fast_demotions"], m["fast_demotions"]
+    assert m["executions"] >= 1 and not MATMULS & set(m["fallback_ops"]), m["fallback_ops"]
 
 
 def test_transformer_encoder_layer_trains_like_eager_with_adamw() -> None:
