@@ -19,6 +19,7 @@ from ..diagnostics import call_name
 from .dtype_checks import EAGER_DTYPE_CHECKS, eager_dtype_error
 from .fused import FV, XV, Demote, NoMeta
 from .layout import contiguous_strides
+from .op_facts import HIDDEN_WRITES
 
 __all__ = ["RECIPES", "Recipe", "call_recipe", "on_device"]
 
@@ -39,14 +40,17 @@ def _random(func) -> bool:
 
 
 class _Watch(TorchDispatchMode):
-    """Notes, of the ops a call's meta run dispatches, whether one draws random numbers (`seen`), and the
-    exception eager raises for one whose meta function accepts the mixed dtypes eager's kernel refuses
-    (`refused`: a float64 batch into a float32 Linear; frontend/dtype_checks.py)."""
+    """Notes, of the ops a call's meta run dispatches, whether one draws random numbers (`seen`), the
+    tensors they write without bumping their version counters (`written`: a training BatchNorm's running
+    statistics, `HIDDEN_WRITES`), and the exception eager raises for one whose meta function accepts
+    the mixed dtypes eager's kernel refuses (`refused`: a float64 batch into a float32 Linear;
+    frontend/dtype_checks.py)."""
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
         self.seen = False
         self.refused = None
+        self.written: list[torch.Tensor] = []
         self.device = device
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -54,6 +58,11 @@ class _Watch(TorchDispatchMode):
             self.seen = True
         if self.refused is None and getattr(func, "_opname", None) in EAGER_DTYPE_CHECKS:
             self.refused = eager_dtype_error(func, args, kwargs or {}, self.device)
+        hidden = HIDDEN_WRITES.get(func)
+        if hidden is not None:
+            flag, positions = hidden
+            if len(args) > flag and args[flag]:
+                self.written += [args[i] for i in positions if isinstance(args[i], _Tensor)]
         return func(*args, **(kwargs or {}))
 
 
@@ -127,7 +136,7 @@ def call_recipe(func, enc_args, enc_kwargs, slots: list, metas: dict, fake, devi
     for (key, m), (version, shape, stride, offset) in zip(distinct, before):
         if m.shape != shape or m.stride() != stride or m.storage_offset() != offset:
             raise Demote("an in-place op that changes sizes")
-        if m._version != version:
+        if m._version != version or any(_is_alias_of(w, m) for w in watch.written):
             written.add(key)
     slot_of = {}
     for i, v in enumerate(slots):

@@ -119,16 +119,19 @@ def _assign(env, out, out_fids, out_leaves) -> None:
 
 class FusedStep:
     """A segment as one entry of the step's trace: called on the segment's inputs, returns the gradients
-    of its parameters (`leaves`, input slots) and the values still alive at its end (`outputs`)."""
+    of its parameters (`leaves`, input slots) and the values still alive at its end (`outputs`), and
+    writes the inputs its calls write in place (`written`, input slots: a BatchNorm's running
+    statistics), as an in-place op of the trace writes its argument."""
 
     def __init__(self, entries: tuple, n_inputs: int, leaves: tuple, loss: int | None, outputs: tuple,
-                 device_type: str) -> None:
+                 device_type: str, written: tuple = ()) -> None:
         self.entries = entries
         self.device_type = device_type
         self.n_inputs = n_inputs
         self.leaves = leaves
         self.loss = loss
         self.outputs = outputs
+        self.written = written
         # fid -> its value, computed by torch for a read before the forward's end (`Segment.evaluate`), and
         # how many calls were recorded at the last such read
         self.evaluated: dict[int, torch.Tensor] = {}
@@ -168,20 +171,25 @@ class FusedStep:
         if self.loss is None:
             env = self.forward(list(inputs))
             return [env[f] for f in self.outputs]
-        leaves = self.leaves
+        leaves, written = self.leaves, self.written
         if _functorch():
             # planned: inside torch.func.functionalize, where autograd does not record, so functorch's
-            # own autograd transform
+            # own autograd transform. The inputs the calls write are written on copies made inside it
+            # and copied into the inputs after it: functionalize turns that into returned values.
             def fwd(*params):
                 values = list(inputs)
                 for i, p in zip(leaves, params):
                     values[i] = p
+                for i in written:
+                    values[i] = inputs[i].clone()
                 env = self.forward(values)
-                return env[self.loss], [env[f] for f in self.outputs]
+                return env[self.loss], ([env[f] for f in self.outputs], [values[i] for i in written])
 
             with torch.enable_grad():
-                loss, vjp, values = torch.func.vjp(fwd, *[inputs[i] for i in leaves], has_aux=True)
+                loss, vjp, (values, new) = torch.func.vjp(fwd, *[inputs[i] for i in leaves], has_aux=True)
                 grads = vjp(torch.ones_like(loss))
+            for i, t in zip(written, new):
+                inputs[i].copy_(t)
             # (the segment declares the gradients contiguous, Segment.close)
             return _distinct([*[g.contiguous() for g in grads], *values])
         # replayed eagerly: autograd itself, as eager's backward (torch.func.vjp fails on a few programs

@@ -658,7 +658,7 @@ def materialize(t: LazyTensor, *, reason: str = "read") -> torch.Tensor:
         raise RuntimeError("pydisc: planning a step read the data of one of its lazy tensors (%s)" % reason)
     if RECORDER.in_flight is not None:
         RECORDER.in_flight(reason)
-    if t._fid is not None or t._redirect is not None:
+    if t._fid is not None or t._redirect is not None or t._storage.fast_written:
         return RECORDER.fast_read(t)
     if not RECORDER.is_clean(t):
         if t._real is None and t._epoch != RECORDER.trace.epoch:

@@ -11,9 +11,17 @@ from .decompositions import DECOMPOSITIONS
 from .lowering.registry import LOWERINGS
 from .policy import EAGER_OPS
 
-__all__ = ["OpInfo", "REWRITES", "arg", "opinfo"]
+__all__ = ["HIDDEN_WRITES", "OpInfo", "REWRITES", "arg", "opinfo"]
 
 aten = torch.ops.aten
+
+# Ops that write arguments their schemas do not mark as written, and whose writes bump no version
+# counter: op -> (the position of its `training` flag, the positions it writes while that is true). The
+# dispatcher records them as ops whose schemas declare the writes (frontend/rewrites.py); the fast
+# recorder's meta run looks them up here (frontend/call_meta.py).
+HIDDEN_WRITES: dict[object, tuple[int, tuple[int, ...]]] = {
+    op: (5, (3, 4)) for op in (aten.native_batch_norm.default, aten.cudnn_batch_norm.default,
+                               aten.miopen_batch_norm.default)}
 
 # Rewrites recorded instead of the op (frontend/rewrites.py, foreach.py, collectives.py), installed at
 # import: by op, by "_foreach_" for every foreach op (aten's namespace loads them lazily), by namespace.

@@ -39,6 +39,8 @@ _TO = _Tensor.to
 
 
 
+_SHARED_WRITE = "a write into an input whose storage another input shares"
+
 # Arguments that are constants as they are (no tensor inside, not a device): torch.Size holds ints (or the
 # SymInts of a symbolic step, in which no segment starts).
 _PLAIN_CONSTANTS = frozenset({int, float, bool, torch.dtype, torch.Size, torch.memory_format, torch.layout})
@@ -66,6 +68,12 @@ class Segment:
         self.ext_index: dict[int, int] = {}
         self.ext_versions: list[int] = []
         self.ext_lays: list = []            # input index -> its part of a call's key (None: an eager tensor)
+        # Lazy inputs the calls write in place (a BatchNorm's running statistics, its `num_batches_tracked`):
+        # input index -> None, in the order of their first write; the entries that write them; and how many
+        # inputs share each lazy storage (a write into one input that another views is not followed).
+        self.written: dict[int, None] = {}
+        self.writers: set[int] = set()
+        self.storage_users: dict[int, int] = {}
         self.started = time.perf_counter()
         self.meta_seconds = 0.0
         self.evaluated: dict = {}           # fid -> its value, computed for a read before the segment's end
@@ -88,6 +96,10 @@ class Segment:
                     raise Demote("an input with autograd history")
                 if t._backward_hooks or getattr(t, "_post_accumulate_grad_hooks", None):
                     raise Demote("tensor hooks")
+                if t._storage.fast_written:
+                    raise Demote(_SHARED_WRITE)     # a view of an input the calls wrote
+                sid = id(t._storage)
+                self.storage_users[sid] = self.storage_users.get(sid, 0) + 1
             elif t.requires_grad:
                 raise Demote("an eager tensor that requires grad")
             elif t.device.type != self.device_type and t.device.type != "cpu":
@@ -211,10 +223,13 @@ class Segment:
                 return self.read_call(func, enc_args, enc_kwargs, slots, str(exc))
             RECIPES[key] = recipe
             self.meta_seconds += time.perf_counter() - started
-        for slot in recipe.mutated:
+        writes_input = False
+        for slot, rg in zip(recipe.mutated, recipe.mutated_rg):
             v = slots[slot]
             if type(v) is XV:
-                raise Demote("a write into a tensor the step did not make")
+                self._check_write(v.index, rg)
+                writes_input = True
+                continue
             if v.fid in self.ext_alias:
                 raise Demote("a write into a tensor the step did not make")     # through a view of it
             if v.fid in self.aliased:
@@ -271,6 +286,11 @@ class Segment:
             results[j] = obj
         for slot, rg in zip(recipe.mutated, recipe.mutated_rg):
             v = slots[slot]
+            if type(v) is XV:
+                if v.index not in self.written:
+                    self.written[v.index] = None
+                    self.externals[v.index]._storage.fast_written = True
+                continue                    # (the entry writes it: `FusedStep.written`)
             if rg:
                 self._requires_grad(v.fid)   # `buf[:, :3] = a(x)`: buf requires grad from now on
             if recipe.outputs and any(o[8] == slot for o in recipe.outputs):
@@ -278,6 +298,8 @@ class Segment:
             out_fids.append(v.fid)      # written in place and not returned: same value id, newer data
         if unchanged and recipe.outputs:
             return results[0] if recipe.spec is None else pytree.tree_unflatten(results, recipe.spec)
+        if writes_input:
+            self.writers.add(len(self.entries))
         self.entries.append((func, enc_args, enc_kwargs, tuple(out_fids), (sig[1], amp), tuple(out_leaves)))
         self.sig.append(tuple(sig))
         self.links.append((recipe.connected, recipe.random, tuple(slots)))
@@ -285,6 +307,17 @@ class Segment:
         if recipe.spec is None:
             return results[0]
         return pytree.tree_unflatten(results, recipe.spec)
+
+    def _check_write(self, index: int, rg: bool) -> None:
+        """A call writes input `index` in place: followed for a lazy tensor that needs no gradient and whose
+        storage no other input shares (the step's entry then writes it, as the dispatcher records an
+        in-place op); otherwise the segment is demoted."""
+        t = self.externals[index]
+        if type(t) is not LazyTensor or t.requires_grad or rg:
+            # an eager tensor, a parameter, or a write that would make the input require grad
+            raise Demote("a write into a tensor the step did not make")
+        if self.storage_users[id(t._storage)] > 1:
+            raise Demote(_SHARED_WRITE)
 
     def recipe(self, func, enc_args, enc_kwargs, slots, amp) -> Recipe:
         # Autocast casts only tensors of its device: under it the call runs on fake tensors of the
@@ -306,6 +339,9 @@ class Segment:
         numbers cannot be computed apart from the step (they would differ): those demote."""
         if CONFIG.strict:
             raise Demote("a value read before mark_step")
+        if self.written:
+            # the calls would write the inputs' device data now, and the step again
+            raise Demote("a value read before mark_step in a forward that wrote an input")
         needed = set(fids)
         picked = []
         for i in range(len(self.entries) - 1, -1, -1):
@@ -361,6 +397,7 @@ class Segment:
         FAST.segment = None
         FAST.demoted = FAST.redirected = True
         METRICS.fast_demotions[reason] += 1
+        self._written_done()
         FAST.note(self.armed_by, demoted=True)
         env = FusedStep(tuple(self.entries), len(self.externals), (), None, (),
                         self.device.type).forward(list(self.externals))
@@ -450,9 +487,16 @@ class Segment:
                     storages[fid] = t._storage
                 out_vids.append(t._vid)
             fused = FusedStep(tuple(self.entries), len(self.externals), leaves,
-                              loss._fid if loss is not None else None, tuple(value_fids), self.device.type)
+                              loss._fid if loss is not None else None, tuple(value_fids), self.device.type,
+                              tuple(self.written))
             fused.evaluated, fused.read_upto = self.evaluated, self.read_upto
-            trace.entries.append(Entry(fused, enc_args, {}, tuple(out_vids), list, tuple(reads), (),
+            writes = []
+            for i in self.written:
+                storage = self.externals[i]._storage
+                storage.written = True
+                writes.append(storage)
+            self._written_done()
+            trace.entries.append(Entry(fused, enc_args, {}, tuple(out_vids), list, tuple(reads), tuple(writes),
                                        tuple(sig), user_source(4)))
             trace.fused += 1
             METRICS.recorded_ops += 1
@@ -513,9 +557,15 @@ class Segment:
     def abandon(self, alive: list) -> None:
         """The step raised (as eager's backward would): the segment is closed, its values hold nothing."""
         FAST.segment = None
+        self._written_done()
         for o in alive:
             o._fid = None
             o._fseg = None
+
+    def _written_done(self) -> None:
+        """The segment ends: the inputs it wrote are the trace's to answer for (or were never written)."""
+        for i in self.written:
+            self.externals[i]._storage.fast_written = False
 
 
 class _Reals:
