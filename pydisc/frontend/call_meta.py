@@ -40,11 +40,12 @@ def _random(func) -> bool:
 
 
 class _Watch(TorchDispatchMode):
-    """Notes, of the ops a call's meta run dispatches, whether one draws random numbers (`seen`), the
-    tensors they write without bumping their version counters (`written`: a training BatchNorm's running
-    statistics, `HIDDEN_WRITES`), and the exception eager raises for one whose meta function accepts
-    the mixed dtypes eager's kernel refuses (`refused`: a float64 batch into a float32 Linear;
-    frontend/dtype_checks.py)."""
+    """Notes, of the ops a call's meta run dispatches:
+    - `seen`: whether one draws random numbers;
+    - `written`: the tensors they write, as their schemas say, or as `HIDDEN_WRITES` says where the schema
+      does not (a training BatchNorm's running statistics, whose writes bump no version counter either);
+    - `refused`: the exception eager raises for one whose meta function accepts the mixed dtypes eager's
+      kernel refuses (a float64 batch into a float32 Linear; frontend/dtype_checks.py)."""
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
@@ -63,6 +64,12 @@ class _Watch(TorchDispatchMode):
             flag, positions = hidden
             if len(args) > flag and args[flag]:
                 self.written += [args[i] for i in positions if isinstance(args[i], _Tensor)]
+        elif func._schema.is_mutable:    # (whether or not the op bumps the version counters)
+            for i, a in enumerate(func._schema.arguments):
+                if a.alias_info is not None and a.alias_info.is_write:
+                    v = args[i] if i < len(args) and not a.kwarg_only else (kwargs or {}).get(a.name)
+                    self.written += [x for x in (v if isinstance(v, (list, tuple)) else (v,))
+                                     if isinstance(x, _Tensor)]
         return func(*args, **(kwargs or {}))
 
 
