@@ -125,6 +125,20 @@ def test_adam_foreach_update() -> None:
     check(fn, torch.randn(3, 4), torch.randn(3, 4), torch.randn(3, 4), torch.randn(3, 4), torch.rand(3, 4))
 
 
+def test_adam_lerp_of_a_gradient_with_other_strides_compiles() -> None:
+    """A depthwise convolution's weight [C, 1, k, k] and a gradient whose size-1 dim has another stride
+    (HF ConvNeXt's, from the convolution's backward): torch's lerp decomposition gives the result the
+    strides eager's has with `prims.copy_strided`, a copy of the values, which had no rule and ran eagerly."""
+    def fn(m: torch.Tensor, g: torch.Tensor) -> list[torch.Tensor]:
+        ms = [m.clone()]
+        torch._foreach_lerp_(ms, [g], 0.1)
+        return ms
+
+    g = torch.randn(8, 7, 7, 1).permute(0, 3, 1, 2)     # [8, 1, 7, 7], strides (49, 1, 7, 1)
+    cluster = check(fn, torch.randn(8, 1, 7, 7), g)
+    assert "prims.copy_strided.default" in cluster.ops, cluster.ops
+
+
 def test_upsample_and_pad_backward() -> None:
     """The backwards of nearest upsampling and replication padding (no torch decomposition: a scatter-add
     of the output gradient to the positions the forward reads) and of reflection padding."""

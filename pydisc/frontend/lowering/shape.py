@@ -69,6 +69,7 @@ def _prims_broadcast(ctx: LoweringContext, x: Value, shape: Sequence[int], dims:
     aten.detach_copy.default, aten.lift_fresh_copy.default, aten.contiguous.default,
     aten._to_copy.default, prims.convert_element_type.default, aten.to.dtype,
     aten._conj.default, aten.resolve_conj.default, aten.resolve_neg.default,
+    prims.copy_strided.default,     # (torch's lerp decomposition gives its result the strides eager's has)
     dynamic=True,
 )
 def _convert(ctx: LoweringContext, x: Value, *_: object, **__: object) -> Value:
