@@ -257,6 +257,20 @@ def _batch_norm_backward(torch_decomposition: Callable) -> Callable:
     return backward
 
 
+def _weight_norm_backward(grad_w: torch.Tensor, v: torch.Tensor, g: torch.Tensor, norms: torch.Tensor,
+                          dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_weight_norm_interface_backward` (torch has no decomposition of it): w = g * v / |v|, the norm over
+    every dim but `dim`, so grad_g = sum(grad_w * v) / |v| and grad_v = g / |v| * (grad_w - v * grad_g / |v|),
+    in float32 at least, as the kernel accumulates."""
+    dim = dim % v.dim()
+    acc = torch.promote_types(v.dtype, torch.float32)
+    dims = [d for d in range(v.dim()) if d != dim]
+    gw, vv, gg, n = grad_w.to(acc), v.to(acc), g.to(acc), norms.to(acc)
+    grad_g = (gw * vv).sum(dims, keepdim=True) / n
+    grad_v = gg / n * (gw - vv * (grad_g / n))
+    return grad_v.to(v.dtype), grad_g.to(g.dtype)
+
+
 def _gather_backwards() -> dict[OpOverload, Callable]:
     table: dict[OpOverload, Callable] = {}
     for name in ("upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d",
@@ -273,6 +287,7 @@ def _gather_backwards() -> dict[OpOverload, Callable]:
     table[aten.masked_scatter.default] = _masked_scatter
     table[aten.masked_scatter_backward.default] = _masked_scatter_backward
     table[aten.diagonal_scatter.default] = _diagonal_scatter
+    table[aten._weight_norm_interface_backward.default] = _weight_norm_backward
     return table
 
 

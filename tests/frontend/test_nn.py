@@ -139,6 +139,17 @@ def test_adam_lerp_of_a_gradient_with_other_strides_compiles() -> None:
     assert "prims.copy_strided.default" in cluster.ops, cluster.ops
 
 
+def test_cnn_train_step_weight_norm() -> None:
+    """Weight-normalised convolutions (wav2vec2's and HuBERT's positional embedding), over the weight's
+    first dim and its last: the backward of `_weight_norm_interface` had no rule and ran eagerly."""
+    model = nn.Sequential(
+        nn.utils.parametrizations.weight_norm(nn.Conv1d(4, 6, 3, padding=1)), nn.Flatten(),
+        nn.utils.parametrizations.weight_norm(nn.Linear(6 * 5, 10), dim=1),
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _replayed_step(model, opt, torch.randn(2, 4, 5), torch.randint(0, 10, (2,)))
+
+
 def test_upsample_and_pad_backward() -> None:
     """The backwards of nearest upsampling and replication padding (no torch decomposition: a scatter-add
     of the output gradient to the positions the forward reads) and of reflection padding."""
