@@ -188,6 +188,20 @@ def test_avg_pool_ceil_mode_and_3d() -> None:
           torch.randn(2, 3, 3, 4, 5))
 
 
+def test_avg_pool_with_a_kernel_longer_than_its_input() -> None:
+    """HF EfficientNet pools its last 7x7 map with `AvgPool2d(1280, ceil_mode=True)`: the backward was
+    emitted as one pad per window offset, 1.6 million of them (a tiny model's step compiled for over ten
+    minutes). Offsets past the input reach none of it, and the forward's window need not reach past it."""
+    def fn(x: torch.Tensor) -> list[torch.Tensor]:
+        def loss(x):  # noqa: ANN001, ANN202
+            return F.avg_pool2d(x, 24, ceil_mode=True).square().sum() + \
+                F.avg_pool2d(x, (3, 24), (2, 24), (1, 0), ceil_mode=True).exp().sum()
+        return [F.avg_pool2d(x, 24, ceil_mode=True), torch.func.grad(loss)(x)]
+
+    cluster = check(fn, torch.randn(2, 3, 3, 2))
+    assert cluster.text.count("stablehlo.pad") <= 3 * 4 + 4 * 3, cluster.text.count("stablehlo.pad")
+
+
 def test_max_pool3d_forward_and_backward() -> None:
     """max_pool3d through torch's decomposition; its backward a scatter-add at the flat indices."""
     def fn(x: torch.Tensor) -> list[torch.Tensor]:

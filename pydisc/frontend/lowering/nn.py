@@ -329,9 +329,12 @@ def _avg_pool(
     if not x.type.is_static:  # IREE 3.13 cannot lower a reduce_window of dynamic shape
         return _avg_pool2d_by_slices(ctx, xs, kernel, stride, padding, count_include_pad, divisor_override)
     out = ctx.out_spec.shape
-    window = [1] * lead + kernel
+    # A window longer than the padded input (HF EfficientNet pools with a kernel of 1280 and ceil_mode)
+    # sums what one as long as the padded input sums: the rest lies past it.
+    reach = [min(k, x.shape[lead + d] + 2 * padding[d]) for d, k in enumerate(kernel)]
+    window = [1] * lead + reach
     strides = [1] * lead + stride
-    highs = [(out[lead + d] - 1) * stride[d] + kernel[d] - x.shape[lead + d] - padding[d] for d in range(spatial)]
+    highs = [(out[lead + d] - 1) * stride[d] + reach[d] - x.shape[lead + d] - padding[d] for d in range(spatial)]
     pads = [(0, 0)] * lead + [(p, max(h, 0)) for p, h in zip(padding, highs)]
     if any(h < 0 for h in highs):
         # the last rows no window reads are cut: IREE 3.13 rejects a reduce_window whose input is longer
@@ -407,7 +410,10 @@ def _avg_pool_backward(
     g = b.binary("divide", g, _pool_divisor(b, x, g.type, kernel, stride, padding, count_include_pad, divisor_override))
     zero = b.constant(0, acc)
     total = None
-    for offset in itertools.product(*(range(k) for k in kernel)):
+    # (offsets past the end of the input reach none of it: HF EfficientNet's kernel of 1280 over 7x7
+    # would be 1.6 million pads)
+    reach = [min(k, x.shape[lead + d] + padding[d]) for d, k in enumerate(kernel)]
+    for offset in itertools.product(*(range(k) for k in reach)):
         low = [0] * lead + list(offset)
         high = [0] * lead + [
             x.shape[lead + d] + 2 * padding[d] - offset[d] - ((g.shape[lead + d] - 1) * stride[d] + 1)
