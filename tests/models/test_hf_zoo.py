@@ -88,6 +88,20 @@ ZOO = {
     "convnext": (lambda: T.ConvNextForImageClassification(T.ConvNextConfig(
         num_channels=3, num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], num_labels=5, image_size=32)), "image",
         None),
+    # BatchNorm in training: the running statistics and num_batches_tracked are written by the fast step
+    "resnet": (lambda: T.ResNetForImageClassification(T.ResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=5)), "image", None),
+    # ... with squeeze-excitation, depthwise convolutions and AvgPool2d(hidden_dim, ceil_mode=True)
+    "efficientnet": (lambda: T.EfficientNetForImageClassification(T.EfficientNetConfig(
+        image_size=32, width_coefficient=0.1, depth_coefficient=0.1, hidden_dim=128, num_labels=5,
+        dropout_rate=0.0, drop_connect_rate=0.0)), "image", None),
+    # weight-normalised positional convolution, CTC loss; its feature encoder sets requires_grad on a value
+    "wav2vec2": (lambda: T.Wav2Vec2ForCTC(T.Wav2Vec2Config(
+        vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=8,
+        num_conv_pos_embedding_groups=2, mask_time_prob=0.0, hidden_dropout=0.0, activation_dropout=0.0,
+        attention_dropout=0.0, feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=0.0)), "speech",
+        "requires_grad written"),
     "clip": (lambda: T.CLIPModel(T.CLIPConfig(
         text_config=dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, max_position_embeddings=32),
@@ -114,9 +128,16 @@ def _batch(kind: str, g: torch.Generator) -> dict:
         return {"input_ids": ids, "labels": torch.randint(3, V, (2, 6), generator=g)}
     if kind == "audio":
         return {"input_features": torch.randn(2, 8, 32, generator=g), "labels": torch.randint(3, V, (2, 6), generator=g)}
+    if kind == "speech":
+        return {"input_values": torch.randn(2, 400, generator=g), "labels": torch.randint(3, V, (2, 5), generator=g)}
     if kind == "image":
         return {"pixel_values": torch.randn(2, 3, 32, 32, generator=g), "labels": torch.randint(0, 5, (2,), generator=g)}
     return {"input_ids": ids, "pixel_values": torch.randn(2, 3, 16, 16, generator=g), "return_loss": True}
+
+
+# wav2vec2's CTC gradients: eager's own float32 gradient of the first convolution is 1.1e-5 off its float64
+# one after one step (of 0.5 at most); over 3 steps the momentum buffers of two float32 runs differ by 4e-5
+_MOMENTUM_ATOL = {"wav2vec2": 1e-4}
 
 
 @pytest.mark.parametrize("name", list(ZOO))
@@ -153,7 +174,7 @@ def test_hf_architectures_train_like_eager_on_the_fast_path(name: str, monkeypat
             assert p not in opts[1].state       # frozen (whisper's positions)
             continue
         torch.testing.assert_close(opts[1].state[p]["momentum_buffer"].cpu(), opts[0].state[p_ref]["momentum_buffer"],
-                                   rtol=1e-4, atol=1e-5)
+                                   rtol=1e-4, atol=_MOMENTUM_ATOL.get(name, 1e-5))
     m = pydisc.metrics()
     if demotion is None:
         assert m["fast_segments"] == 3 and not m["fast_demotions"], m["fast_demotions"]
