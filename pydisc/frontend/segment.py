@@ -69,10 +69,9 @@ class Segment:
         self.ext_versions: list[int] = []
         self.ext_lays: list = []            # input index -> its part of a call's key (None: an eager tensor)
         # Lazy inputs the calls write in place (a BatchNorm's running statistics, its `num_batches_tracked`):
-        # input index -> None, in the order of their first write; the entries that write them; and how many
-        # inputs share each lazy storage (a write into one input that another views is not followed).
+        # input index -> None, in the order of their first write; and how many inputs share each lazy
+        # storage (a write into one input that another views is not followed).
         self.written: dict[int, None] = {}
-        self.writers: set[int] = set()
         self.storage_users: dict[int, int] = {}
         self.started = time.perf_counter()
         self.meta_seconds = 0.0
@@ -223,12 +222,10 @@ class Segment:
                 return self.read_call(func, enc_args, enc_kwargs, slots, str(exc))
             RECIPES[key] = recipe
             self.meta_seconds += time.perf_counter() - started
-        writes_input = False
         for slot, rg in zip(recipe.mutated, recipe.mutated_rg):
             v = slots[slot]
             if type(v) is XV:
                 self._check_write(v.index, rg)
-                writes_input = True
                 continue
             if v.fid in self.ext_alias:
                 raise Demote("a write into a tensor the step did not make")     # through a view of it
@@ -298,8 +295,6 @@ class Segment:
             out_fids.append(v.fid)      # written in place and not returned: same value id, newer data
         if unchanged and recipe.outputs:
             return results[0] if recipe.spec is None else pytree.tree_unflatten(results, recipe.spec)
-        if writes_input:
-            self.writers.add(len(self.entries))
         self.entries.append((func, enc_args, enc_kwargs, tuple(out_fids), (sig[1], amp), tuple(out_leaves)))
         self.sig.append(tuple(sig))
         self.links.append((recipe.connected, recipe.random, tuple(slots)))
