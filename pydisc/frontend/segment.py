@@ -38,9 +38,6 @@ _GRAD = _Tensor.grad.__get__
 _TO = _Tensor.to
 
 
-
-_SHARED_WRITE = "a write into an input whose storage another input shares"
-
 # Arguments that are constants as they are (no tensor inside, not a device): torch.Size holds ints (or the
 # SymInts of a symbolic step, in which no segment starts).
 _PLAIN_CONSTANTS = frozenset({int, float, bool, torch.dtype, torch.Size, torch.memory_format, torch.layout})
@@ -96,7 +93,8 @@ class Segment:
                 if t._backward_hooks or getattr(t, "_post_accumulate_grad_hooks", None):
                     raise Demote("tensor hooks")
                 if t._storage.fast_written:
-                    raise Demote(_SHARED_WRITE)     # a view of an input the calls wrote
+                    # (a view of an input the calls wrote)
+                    raise Demote("a write into an input whose storage another input shares")
                 sid = id(t._storage)
                 self.storage_users[sid] = self.storage_users.get(sid, 0) + 1
             elif t.requires_grad:
@@ -312,7 +310,7 @@ class Segment:
             # an eager tensor, a parameter, or a write that would make the input require grad
             raise Demote("a write into a tensor the step did not make")
         if self.storage_users[id(t._storage)] > 1:
-            raise Demote(_SHARED_WRITE)
+            raise Demote("a write into an input whose storage another input shares")
 
     def recipe(self, func, enc_args, enc_kwargs, slots, amp) -> Recipe:
         # Autocast casts only tensors of its device: under it the call runs on fake tensors of the
