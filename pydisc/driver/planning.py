@@ -150,6 +150,7 @@ def plan_symbolic(trace: Trace, executed: list[int], outputs: tuple, inputs: lis
     METRICS.graph_cache_misses += 1
     RECORDER.capture_sources = True
     session = trace.symbolic
+    session.settle()
     ENGINE.dynamic.misses = 0
     patterns = [(o, rank, made) for o, (_, made, rank) in session.conversions.items()]
     try:

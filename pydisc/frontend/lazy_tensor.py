@@ -176,9 +176,7 @@ class Recorder(SymbolicInputs):
     def end_step(self) -> None:
         """At mark_step: the next ops belong to a new step (new inputs, maybe other sizes)."""
         if self.symbolic is not None:
-            self.symbolic.exit()
-            self.symbolic = None
-            self.trace.symbolic = None
+            self.end_symbolic()
         self.inputs_seen = 0
         self.last_input_shapes, self.input_shapes = self.input_shapes, []
         self.step_id += 1

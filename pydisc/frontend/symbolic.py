@@ -227,6 +227,12 @@ class SymbolicStep:
         # symbol -> a number its size is assumed a multiple of, checked at each match (driver/dynamic.
         # size_multiples, template_match); None: the template's compiled code is told nothing of its sizes
         self.multiples: dict[sympy.Symbol, int] | None = None
+        # Sizes Python code read of a tensor an earlier step made, before an op of this step used it (HF's
+        # cache length, `keys.shape[-2]`, compared with the attention mask's): (id(storage), shape) ->
+        # (storage, {dim: (symbol, SymInt)}, fake). Each symbol gets a source where an op reads the tensor
+        # and the dim is dynamic (`SymbolicInputs.carried_input`), else its number (`settle`).
+        self.pending: dict[tuple, tuple] = {}
+        self.pinned: dict[sympy.Symbol, sympy.Integer] = {}
 
     # ---- lifetime: active from the first symbolic input to the end of the step ----------------------
     def enter(self) -> None:
@@ -251,26 +257,56 @@ class SymbolicStep:
         release_factory_mode()      # at once where that is safe
 
     # ---- symbols -----------------------------------------------------------------------------------
-    def symbolic_layout(self, real: torch.Tensor, dims, source: tuple) -> tuple:
-        """Sizes and strides of `real` with `dims` symbolic (contiguous tensors only)."""
-        from torch._dynamo.source import ConstantSource   # (importing torch._dynamo costs ~1 s: only here)
+    def symbolic_layout(self, real: torch.Tensor, dims, source: tuple, symbols: dict | None = None) -> tuple:
+        """Sizes and strides of `real` with `dims` symbolic (contiguous tensors only). `symbols`: {dim:
+        (symbol, SymInt)} made for it already (`pending`), used rather than new ones."""
         sizes: list = list(real.shape)
         made = []
         for d in dims:
             if d < real.dim() and real.shape[d] >= 2:     # 0 and 1 are specialised, as torch does
-                name = "pydisc_%s%d_dim%d" % (source[0], source[1], d)
-                src = ConstantSource(name)
-                sym = self.shape_env.create_symbol(int(real.shape[d]), source=src,
-                                                   dynamic_dim=DimDynamic.DYNAMIC)
+                sym, sizes[d] = symbols[d] if symbols and d in symbols else \
+                    self._symbol(int(real.shape[d]), "pydisc_%s%d_dim%d" % (source[0], source[1], d))
                 self.sources[sym] = (source[0], source[1], d)
-                sizes[d] = self.shape_env.create_symintnode(sym, hint=int(real.shape[d]), source=src)
                 made.append(d)
-        strides: list = []
-        acc: Any = 1
-        for s in reversed(sizes):
-            strides.append(acc)
-            acc = acc * s
-        return tuple(sizes), tuple(reversed(strides)), tuple(made)
+        return tuple(sizes), _contiguous(sizes), tuple(made)
+
+    def _symbol(self, value: int, name: str) -> tuple:
+        from torch._dynamo.source import ConstantSource   # (importing torch._dynamo costs ~1 s: only here)
+        src = ConstantSource(name)
+        sym = self.shape_env.create_symbol(value, source=src, dynamic_dim=DimDynamic.DYNAMIC)
+        return sym, self.shape_env.create_symintnode(sym, hint=value, source=src)
+
+    def pending_sizes(self, real: torch.Tensor, storage, make: bool = True) -> torch.Size | None:
+        """The sizes Python code reads of `real`, a whole contiguous tensor an earlier step made, before any
+        op of this step has read it: every dim of 2 or more a symbol without a source yet (`pending`).
+        `make=False`: only those given already (None if none were)."""
+        key = (id(storage), tuple(real.shape))
+        found = self.pending.get(key)
+        if found is None:
+            if not make:
+                return None
+            n = len(self.pending)
+            symbols = {d: self._symbol(int(size), "pydisc_pending%d_dim%d" % (n, d))
+                       for d, size in enumerate(real.shape) if size >= 2}
+            sizes = [symbols[d][1] if d in symbols else size for d, size in enumerate(real.shape)]
+            found = self.pending[key] = (storage, symbols, self.fake_symbolic(sizes, _contiguous(sizes), real.dtype,
+                                                                              real.device))
+        return found[2].shape
+
+    def pending_symbols(self, real: torch.Tensor, storage) -> dict | None:
+        """{dim: (symbol, SymInt)} that `pending_sizes` gave `real`'s sizes, or None."""
+        found = self.pending.get((id(storage), tuple(real.shape)))
+        return None if found is None else found[1]
+
+    def settle(self) -> None:
+        """Pin each pending symbol that no dynamic dim took (`symbolic_layout`) to its number: a guard that
+        the ShapeEnv turns into a replacement, and each guard is read with it (`guards`)."""
+        for _, symbols, _ in self.pending.values():
+            for sym, size in symbols.values():
+                if sym not in self.sources and sym not in self.pinned:
+                    value = int(size.node.hint)
+                    torch._check(size == value)
+                    self.pinned[sym] = sympy.Integer(value)
 
     def faking(self):
         """Context for computing fake metadata (the factory mode lets these ops through)."""
@@ -286,6 +322,8 @@ class SymbolicStep:
             return torch.empty_strided(size, stride, dtype=dtype, device=device)
 
     def guards(self) -> list:
+        if self.pinned:
+            return [g.expr.xreplace(self.pinned) for g in self.shape_env.guards]
         return [g.expr for g in self.shape_env.guards]
 
     def value_of(self, sym: sympy.Symbol) -> int | None:
@@ -328,6 +366,15 @@ class _Faking:
             self.step.fake_mode.__exit__(*exc)
         finally:
             self.step._mode.faking -= 1
+
+
+def _contiguous(sizes) -> tuple:
+    strides: list = []
+    acc: Any = 1
+    for s in reversed(sizes):
+        strides.append(acc)
+        acc = acc * s
+    return tuple(reversed(strides))
 
 
 def _itemsize(dtype: torch.dtype) -> int:

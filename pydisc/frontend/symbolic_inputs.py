@@ -6,6 +6,8 @@ symbolic sizes, and every argument of an op in such a step its fake tensor.
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from .layout import numel
@@ -41,27 +43,55 @@ class SymbolicInputs:
         return t
 
     def symbolic_session(self) -> SymbolicStep:
-        """This step's SymbolicStep, started at its first symbolic input."""
+        """This step's SymbolicStep, started at its first symbolic input. While it records, Python code
+        reads the sizes of lazy tensors through `python_shape`."""
         if self.symbolic is None:
             self.symbolic = SymbolicStep(self.record_factory)
             self.symbolic.enter()
             self.trace.symbolic = self.symbolic
+            LazyTensor.shape = _SHAPE_HOOK
+            LazyTensor.size = _size
         return self.symbolic
+
+    def end_symbolic(self) -> None:
+        self.symbolic.exit()
+        self.symbolic = None
+        self.trace.symbolic = None
+        del LazyTensor.shape, LazyTensor.size
+
+    def python_shape(self, t: LazyTensor) -> torch.Size | None:
+        """The sizes Python code reads of `t` in this symbolic step where they are not its own (None): a
+        tensor an earlier step made (a KV cache) has this step's numbers, and symbolic sizes in its dynamic
+        dims, where the step's values have them. Read before an op of the step used it, every dim is a
+        symbol (`SymbolicStep.pending_sizes`): HF compares the cache's length with the attention mask's
+        before its attention reads the cache, and that comparison of a number with a symbol would pin the
+        mask's length."""
+        session = self.symbolic
+        if t._concrete is not None and t._fake is not None and t._fake_sid == session.id:
+            return t._fake.shape        # a carried input with dynamic dims
+        storage = t._storage
+        if t._epoch == self.trace.epoch or self.carried_dims is None or storage.produced != self.step_id - 1:
+            return None
+        real = t._real
+        if real is None or not _whole(real):
+            return None
+        # (an input of the step already, through another tensor: its dims were decided then)
+        return session.pending_sizes(real, storage, make=storage.epoch != self.trace.epoch or storage.input_index < 0)
 
     def carried_input(self, t: LazyTensor, storage: LazyStorage) -> None:
         """`t`, the first tensor of this step to read `storage` (a previous step's result), gets symbolic
-        sizes in the dims `carried_dims` names: its fake and concrete layout, not its Python sizes, which
-        stay those of this step (code that reads a KV cache's length gets a number)."""
+        sizes in the dims `carried_dims` names: its fake and concrete layout (and, where the step records
+        symbolically, the sizes Python code reads, `python_shape`)."""
         real = t._real
         index = storage.input_index
-        if real is None or real.storage_offset() != 0 or not real.is_contiguous() or \
-                real.untyped_storage().nbytes() != real.numel() * real.element_size():
+        if real is None or not _whole(real):
             return
         dims = self.carried_dims(index, real)
         if not dims:
             return
         session = self.symbolic_session()
-        size, stride, made = session.symbolic_layout(real, dims, ("carried", index))
+        size, stride, made = session.symbolic_layout(real, dims, ("carried", index),
+                                                     session.pending_symbols(real, storage))
         if not made:
             return
         session.conversions[("carried", index)] = (storage, made, real.dim())
@@ -106,3 +136,33 @@ class SymbolicInputs:
         if isinstance(a, (list, tuple)):
             return type(a)(self.fake_of(x) for x in a)
         return a
+
+
+def _whole(real: torch.Tensor) -> bool:
+    """Whether `real` is all of its storage, contiguous (what a symbolic layout can stand for)."""
+    return real.storage_offset() == 0 and real.is_contiguous() and \
+        real.untyped_storage().nbytes() == real.numel() * real.element_size()
+
+
+# While a step records symbolically, `LazyTensor.shape` and `.size()` (torch's own otherwise). pydisc's
+# own code reads the wrapper's sizes: this step's numbers.
+_SHAPE = torch._C.TensorBase.shape.__get__
+_SIZE = torch._C.TensorBase.size
+
+
+def _python_shape(t: LazyTensor):
+    if sys._getframe(1).f_globals.get("__name__", "").startswith("pydisc."):
+        return _SHAPE(t)
+    sizes = t._recorder.python_shape(t)
+    return _SHAPE(t) if sizes is None else sizes
+
+
+def _size(t: LazyTensor, dim=None):
+    sizes = None if sys._getframe(1).f_globals.get("__name__", "").startswith("pydisc.") or \
+        not (dim is None or isinstance(dim, int)) else t._recorder.python_shape(t)
+    if sizes is None:
+        return _SIZE(t) if dim is None else _SIZE(t, dim)
+    return sizes if dim is None else sizes[dim]
+
+
+_SHAPE_HOOK = property(_python_shape)

@@ -146,6 +146,28 @@ def test_generate_greedy_with_the_default_cache_compiles_one_plan(name: str, com
     assert m["fallback_ops"] == {}
 
 
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_generate_a_padded_batch_compiles_one_plan(name: str, compile_on_second_sighting, fresh_plans) -> None:
+    """Prompts of different lengths, left-padded, with their attention mask: HF's mask code compares the
+    mask's length (a step input's dynamic dim) with the cache's (`keys.shape[-2]`, read before the
+    step's attention reads the cache). Both are symbols of the step, so the comparison relates them
+    rather than pinning the mask's length to a number (which compiled each length)."""
+    torch.manual_seed(0)
+    eager = hf_models.MODELS[name]().eval()
+    lazy = pydisc.lazy(copy.deepcopy(eager))
+    prompt = torch.randint(3, hf_models.VOCAB, (2, 6))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    prompt[0, :2], mask[0, :2] = 2, 0
+    settings = dict(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=2)
+    pydisc.reset_metrics()
+    got = lazy.generate(prompt, attention_mask=mask, **settings)
+    m = pydisc.metrics()
+    assert torch.equal(got.cpu(), eager.generate(prompt, attention_mask=mask, **settings))
+    assert m["plans_compiled"] <= 3 and m["dynamic_templates"] == 1, (m["plans_compiled"], m["recompiles"])
+    assert m["dynamic_matches"] >= NEW_TOKENS - 6, m["recompiles"]
+    assert m["fallback_ops"] == {}
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_generate_on_cuda_matches_eager(name: str, compile_on_second_sighting, fresh_plans) -> None:
