@@ -23,6 +23,7 @@ from .frontend.lazy_tensor import RECORDER, LazyTensor, StrictModeError, is_lazy
 from .frontend.lazy_tensor import to_lazy as _to_lazy
 from .frontend.rewrites import install_rewrites
 from .frontend.symbolic import release_factory_mode
+from .frontend.tensor import install_to_dlpack
 from ._version import __version__
 from .metrics import METRICS
 from .module import lazy
@@ -37,6 +38,7 @@ install_rewrites()
 install_collectives()     # after the rewrites: it wraps any rewrite of copy_
 fast.set_default(CONFIG.fast_record)     # (the handler is installed at the first forward it records)
 install_optimizer_hook()
+install_to_dlpack()
 
 
 @atexit.register

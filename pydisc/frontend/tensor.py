@@ -14,7 +14,8 @@ import torch
 from .layout import LayoutKey, hint, layout_key
 from .trace import LazyStorage
 
-__all__ = ["LazyTensor", "LiftedScalar", "StrictModeError", "bind", "concrete_layout", "is_lazy", "liftable"]
+__all__ = ["LazyTensor", "LiftedScalar", "StrictModeError", "bind", "concrete_layout", "install_to_dlpack", "is_lazy",
+           "liftable"]
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 _DATA = torch._C.TensorBase.data      # torch's `.data`: the getter records a detached alias of the value
@@ -169,3 +170,19 @@ def bind(recorder, read: Callable, wrap: Callable) -> None:
     LazyTensor._recorder = recorder
     LazyTensor._read = staticmethod(read)
     LazyTensor._wrap = staticmethod(wrap)
+
+
+_TO_DLPACK = torch.utils.dlpack.to_dlpack
+
+
+def _to_dlpack(tensor: torch.Tensor):
+    if isinstance(tensor, LazyTensor):
+        tensor = tensor._read(tensor, reason="dlpack")
+    return _TO_DLPACK(tensor)
+
+
+def install_to_dlpack() -> None:
+    """`torch.utils.dlpack.to_dlpack` (also `torch.to_dlpack`) reads a tensor's data pointer in C, with no
+    way for a subclass to step in: given a lazy tensor, whose wrapper has no data, its consumer crashed
+    the process. Installed at import, they hand over the device data (what `__dlpack__` does)."""
+    torch.utils.dlpack.to_dlpack = torch.to_dlpack = _to_dlpack

@@ -293,10 +293,13 @@ def test_set_gives_the_tensor_another_ones_storage_and_layout():
 
 
 def test_reads_of_the_data_that_bypass_the_dispatcher_do_not_crash():
-    """`torch.from_dlpack(x)` and `x.apply_(f)` read the wrapper's data directly, which it has not got:
-    the process crashed (a segmentation fault)."""
+    """`torch.from_dlpack(x)`, `torch.utils.dlpack.to_dlpack(x)` and `x.apply_(f)` read the wrapper's data
+    directly, which it has not got: the process crashed (a segmentation fault)."""
     x = lazy(torch.arange(4.0)) * 2
     torch.testing.assert_close(torch.from_dlpack(x), torch.arange(4.0) * 2)     # the device data, run first
+    y = lazy(torch.arange(4.0)) * 3     # (to_dlpack is C reading the data pointer: no __torch_function__)
+    torch.testing.assert_close(torch.utils.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(y)), torch.arange(4.0) * 3)
+    torch.testing.assert_close(torch.from_dlpack(torch.to_dlpack(y + 1)), torch.arange(4.0) * 3 + 1)
     with pytest.raises(RuntimeError, match="apply_ calls Python on each element"):
         x.apply_(lambda v: v * 3)
 
