@@ -13,7 +13,7 @@ from ..frontend.tensor import concrete_layout
 from ..frontend.trace import LazyStorage, Trace
 from .slices import size_only_storages
 
-__all__ = ["bind", "concretize", "input_versions", "own_writes"]
+__all__ = ["bind", "concretize", "input_versions", "own_writes", "worker_copies"]
 
 
 def _as_layout(val: torch.Tensor, size, stride) -> torch.Tensor:
@@ -31,9 +31,10 @@ def _as_layout(val: torch.Tensor, size, stride) -> torch.Tensor:
 
 
 def bind(trace: Trace, outputs: tuple, results: list[torch.Tensor], executed: list[int],
-          remaining: list[int], fresh_trace: bool = True) -> None:
+          remaining: list[int], fresh_trace: bool = True, copied: bool = False) -> None:
     """`fresh_trace`: the recorder starts a new trace after a whole step is bound; False where it started
-    one already, the step having run on the worker while the next recorded (inflight.py)."""
+    one already, the step having run on the worker while the next recorded (inflight.py). `copied`: the
+    worker copied the written inputs' new values already (`worker_copies`)."""
     touched: list[LazyStorage] = []
     written: list[int] = []             # input storages the step wrote: copied into, all at once
     # storage -> the result that is all of its data in the recorded layout: a tensor of that layout
@@ -52,7 +53,7 @@ def bind(trace: Trace, outputs: tuple, results: list[torch.Tensor], executed: li
                 whole[id(storage)] = val
         touched.append(storage)
     if written:
-        _write_inputs(trace, written, [val for (kind, _), val in zip(outputs, results) if kind == "base"])
+        _write_inputs(trace, written, [val for (kind, _), val in zip(outputs, results) if kind == "base"], copied)
     if not remaining:
         # everything ran: every tensor made in this trace views its storage's new data (the storages
         # of the step's inputs were written in place, so their tensors' views stay valid)
@@ -116,24 +117,54 @@ def _bound(t: LazyTensor, whole: dict) -> torch.Tensor:
     return view_of_base(t._storage.real, size, stride, offset)
 
 
-def _write_inputs(trace: Trace, indices: list[int], vals: list[torch.Tensor]) -> None:
+def _write_inputs(trace: Trace, indices: list[int], vals: list[torch.Tensor], copied: bool = False) -> None:
     """Copy the step's new values of the input storages `indices` into their device data (one foreach
     copy), and note their versions as the step's own writes, not the user's. A value that is another
-    written input's data (a step that swaps two buffers, run by torch) is read before any is written."""
+    written input's data (a step that swaps two buffers, run by torch) is read before any is written.
+    `copied`: the worker copied them (`worker_copies`), leaving the version counters alone; they move
+    here, as the copy would have moved them (eager code holding the data sees a write)."""
     reals = [trace.input_storages[i].real for i in indices]
-    written = {r.untyped_storage().data_ptr() for r in reals}
-    dsts, srcs = [], []
-    for real, val in zip(reals, vals):
-        if val.data_ptr() == real.data_ptr():
-            continue                    # written in place already
-        if val.untyped_storage().data_ptr() in written:
-            val = val.clone()
-        dsts.append(real)
-        srcs.append(val if val.shape == real.shape else val.reshape(real.shape))
-    if dsts:
-        torch._foreach_copy_(dsts, srcs)
+    if copied:
+        torch._foreach_copy_(reals, reals)      # (a copy of a tensor into itself moves no data)
+    else:
+        written = {r.untyped_storage().data_ptr() for r in reals}
+        dsts, srcs = [], []
+        for real, val in zip(reals, vals):
+            if val.data_ptr() == real.data_ptr():
+                continue                    # written in place already
+            if val.untyped_storage().data_ptr() in written:
+                val = val.clone()
+            dsts.append(real)
+            srcs.append(val if val.shape == real.shape else val.reshape(real.shape))
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
     for i, real in zip(indices, reals):
         trace.storage_versions[i] = real._version
+
+
+def worker_copies(trace: Trace, outputs: tuple, results: list[torch.Tensor], perm) -> tuple | None:
+    """For a step run on the worker (inflight.py): the copies of its new values of the input storages it
+    writes (parameters, optimizer state) into their device data, which the worker makes once the step's
+    calls have run, rather than the main thread at the wait (`bind(copied=True)`). `results`: the
+    runner's output tensors, not filled yet; `perm`, a template's order of them. (destinations,
+    sources), through `.data` aliases, whose version counters are their own: the recording thread
+    notes the inputs' versions meanwhile. None where some copy is not plain (a value that is an input's
+    memory or not dense): `bind` makes them."""
+    dsts, srcs = [], []
+    reals = set()
+    for k, (kind, index) in enumerate(outputs):
+        if kind == "base":
+            reals.add(trace.input_storages[index].real.untyped_storage().data_ptr())
+    for k, (kind, index) in enumerate(outputs):
+        if kind != "base":
+            continue
+        real = trace.input_storages[index].real
+        val = results[perm[k] if perm is not None else k]
+        if val.untyped_storage().data_ptr() in reals or not val.is_contiguous() or val.numel() != real.numel():
+            return None
+        dsts.append(real.data)
+        srcs.append(val if val.shape == real.shape else val.view(real.shape))
+    return (dsts, srcs) if dsts else None
 
 
 def input_versions(trace: Trace) -> tuple[list[int], list[int]]:

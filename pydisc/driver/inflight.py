@@ -14,11 +14,14 @@ What waits for the run (`wait`), on the main thread:
 Each wait is counted by its reason in `metrics()["async_waits"]`; the time the main thread spent
 waiting in `async_wait_seconds`.
 
-Only the IREE calls run on the worker. The plan's graph runs on the main thread as at any step, but
-each compiled cluster's call is prepared there (its outputs allocated, its arguments imported) and
-collected rather than invoked (`exec.compiled.collecting_calls`); the worker then only invokes them in
-order, which needs the GIL once per call (a worker that ran Python next to the recording main thread
-waited for the GIL more than it ran: 2-core VM, transformer block, 3.5 ms per run instead of 2.0).
+Only the IREE calls run on the worker, and after them one foreach copy of the step's new parameters and
+optimizer state into their device data (`bind.worker_copies`: 0.1-0.14 ms a step of the MLP and the
+transformer block of bench/record_overhead.py that the main thread no longer spends). The plan's graph
+runs on the main thread as at any step, but each compiled cluster's call is prepared there (its outputs
+allocated, its arguments imported) and collected rather than invoked (`exec.compiled.collecting_calls`);
+the worker then only invokes them in order, which needs the GIL once per call (a worker that ran Python
+next to the recording main thread waited for the GIL more than it ran: 2-core VM, transformer block,
+3.5 ms per run instead of 2.0).
 So the ops torch runs in a plan (dropout's random masks), and the clusters whose results they read, run
 on the main thread while the calls are prepared, where a synchronous run runs them (they draw the random
 numbers they would draw without the worker); a plan is deferred where some cluster is left that none of

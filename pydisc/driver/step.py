@@ -26,7 +26,7 @@ from ..frontend.trace import Trace
 from ..metrics import METRICS
 from . import background, dynamic, inflight, optimizer_state, planning, step_choice
 from .dynamic import Binding
-from .bind import bind, input_versions, own_writes
+from .bind import bind, input_versions, own_writes, worker_copies
 from .engine import ENGINE
 from .oom import out_of_memory_error, out_of_memory_in
 from .plan import StepPlan
@@ -397,10 +397,16 @@ def _defer(plan: StepPlan, trace: Trace, executed: list[int], outputs: tuple, in
     except Exception:
         return False
     notes = optimizer_state.taken()
+    copies = worker_copies(trace, outputs, pending, perm)
+    copied = []
 
     def job():
         for call in calls:
             call.run()
+        # (a value check's flag, the last result, refuses the step: it writes nothing, eager raises)
+        if copies is not None and not (plan.value_check and bool(pending[-1])):
+            torch._foreach_copy_(*copies)
+            copied.append(True)
         return pending
 
     def finish(results, error):
@@ -430,7 +436,7 @@ def _defer(plan: StepPlan, trace: Trace, executed: list[int], outputs: tuple, in
                 raise
             if ran is not plan:       # given up for eager: its ops count as fallbacks, as for a step run at once
                 _count_ops(ran)
-            bind(trace, outputs, out, executed, [], fresh_trace=False)
+            bind(trace, outputs, out, executed, [], fresh_trace=False, copied=bool(copied) and ran is plan)
             own_writes(current, versions)
 
     _count_step(plan)
