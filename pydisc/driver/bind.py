@@ -48,9 +48,12 @@ def bind(trace: Trace, outputs: tuple, results: list[torch.Tensor], executed: li
             storage = trace.storages[index]
             size, stride, offset, dtype = trace.metas[index]
             laid = _as_layout(val, size, stride)
-            storage.real = flat_base(laid)
-            if laid is val and is_whole(val):
-                whole[id(storage)] = val
+            if is_whole(laid):
+                storage.real = laid.detach().view(-1)     # (flat_base, known whole)
+                if laid is val:
+                    whole[id(storage)] = val
+            else:
+                storage.real = flat_base(laid)
         touched.append(storage)
     if written:
         _write_inputs(trace, written, [val for (kind, _), val in zip(outputs, results) if kind == "base"], copied)
@@ -150,21 +153,18 @@ def worker_copies(trace: Trace, outputs: tuple, results: list[torch.Tensor], per
     sources), through `.data` aliases, whose version counters are their own: the recording thread
     notes the inputs' versions meanwhile. None where some copy is not plain (a value that is an input's
     memory or not dense): `bind` makes them."""
+    pairs = [(trace.input_storages[index].real, results[perm[k] if perm is not None else k])
+             for k, (kind, index) in enumerate(outputs) if kind == "base"]
+    if not pairs:
+        return None
+    reals = {real.data_ptr() for real, _ in pairs}      # (an input storage's data: a flat tensor at offset 0)
     dsts, srcs = [], []
-    reals = set()
-    for k, (kind, index) in enumerate(outputs):
-        if kind == "base":
-            reals.add(trace.input_storages[index].real.untyped_storage().data_ptr())
-    for k, (kind, index) in enumerate(outputs):
-        if kind != "base":
-            continue
-        real = trace.input_storages[index].real
-        val = results[perm[k] if perm is not None else k]
+    for real, val in pairs:
         if val.untyped_storage().data_ptr() in reals or not val.is_contiguous() or val.numel() != real.numel():
             return None
         dsts.append(real.data)
         srcs.append(val if val.shape == real.shape else val.view(real.shape))
-    return (dsts, srcs) if dsts else None
+    return dsts, srcs
 
 
 def input_versions(trace: Trace) -> tuple[list[int], list[int]]:

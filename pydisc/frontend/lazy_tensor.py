@@ -344,8 +344,11 @@ class Recorder(SymbolicInputs):
         for i, name in info.written_args:
             a = arg(args, kwargs, i, name)
             for x in (a if isinstance(a, (list, tuple)) else (a,)):
-                if isinstance(x, LazyTensor) and x._storage.epoch == self.trace.epoch and self.trace.entries:
-                    # pending ops may read this memory: run them before an eager op writes into it
+                if self.trace.entries and isinstance(x, torch.Tensor) and (
+                        x._storage.epoch == self.trace.epoch if isinstance(x, LazyTensor) else
+                        self.trace.reads_memory_of(x)):
+                    # pending ops may read this memory: run them before an eager op writes into it (an
+                    # eager buffer a lazy op read, then written with a lazy value)
                     self.run(None, "eager write")
                     break
         real_args = tuple(map_nested(unwrap, a) for a in args)

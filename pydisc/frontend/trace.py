@@ -119,6 +119,7 @@ class Trace:
     real_inputs: list[torch.Tensor] = field(default_factory=list)
     real_versions: list[int] = field(default_factory=list)
     real_index: dict[int, int] = field(default_factory=dict)      # id(tensor) -> index
+    snapshots: dict[int, tuple] = field(default_factory=dict)     # id(tensor) -> (it, its version, index)
     scalars: list[float] = field(default_factory=list)
     metas: dict[int, tuple] = field(default_factory=dict)          # value id -> (size, stride, offset, dtype)
     tensors: dict[int, weakref.ref] = field(default_factory=dict)  # value id -> lazy tensor
@@ -167,6 +168,7 @@ class Trace:
         self.tensors = {}
         self.storages = {}
         self.sym_metas = {}
+        self.snapshots = {}
 
     def compacted(self, kept: list[int]) -> "Trace":
         """A trace of only the entries `kept` (indices, in order), renumbered as if only they had been
@@ -253,6 +255,8 @@ class Trace:
         return new
 
     def add_real_input(self, t: torch.Tensor) -> RealRef:
+        if t.requires_grad:
+            return self._snapshot(t)
         index = self.real_index.get(id(t))
         if index is None:
             index = len(self.real_inputs)
@@ -261,9 +265,32 @@ class Trace:
             self.real_versions.append(t._version)
         return RealRef(index)
 
+    def _snapshot(self, t: torch.Tensor) -> RealRef:
+        """An eager tensor that requires grad (a parameter outside the lazy model: a loss weight, a
+        temperature) is read as a copy of its value now, as eager's op and the backward it saves it for
+        read it: its optimizer writes it in place before the step runs, with no op of pydisc's (Adam's
+        update of it is eager code alone). A copy per value it has in the step (its version)."""
+        found = self.snapshots.get(id(t))
+        if found is not None and found[0] is t and found[1] == t._version:
+            return RealRef(found[2])
+        index = len(self.real_inputs)
+        copy = t.detach().clone()
+        self.snapshots[id(t)] = (t, t._version, index)
+        self.real_inputs.append(copy)
+        self.real_versions.append(copy._version)
+        return RealRef(index)
+
     def add_scalar(self, value: float) -> ScalarRef:
         self.scalars.append(float(value))
         return ScalarRef(len(self.scalars) - 1)
+
+    def reads_memory_of(self, t: torch.Tensor) -> bool:
+        """Whether the trace reads eager tensor `t`'s memory by reference: an eager input, or a step input
+        wrapped without a copy (a module input, `to_lazy`)."""
+        ptr = t.untyped_storage().data_ptr()
+        return any(r.untyped_storage().data_ptr() == ptr for r in self.real_inputs) or \
+            any(r.untyped_storage().data_ptr() == ptr
+                for r, s in zip(self.storage_inputs, self.input_storages) if s.ordinal >= 0)
 
     def check_real_inputs(self, entry_indices: list[int]) -> None:
         """Eager tensors are captured by reference: writing into one after a lazy op read it would make the

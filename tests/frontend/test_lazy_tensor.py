@@ -105,6 +105,47 @@ def test_mixing_eager_tensors():
     assert_same(out, torch.where(mask, x * 2, torch.zeros(5)) + 1)
 
 
+@pytest.mark.parametrize("make_opt", [lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                                      lambda ps: torch.optim.Adam(ps, lr=0.05)], ids=["sgd", "adam"])
+def test_an_eager_parameter_beside_a_lazy_model_trains_like_eager(make_opt):
+    """A learnable tensor outside the lazy model (a loss weight, a temperature) in one optimizer with the
+    model's parameters: the optimizer writes it in place (Adam in eager code alone) while the step's ops
+    that read it are pending (the model's weight gradient). They read a copy of its value at the op, as
+    eager's saved tensors do; the step failed at mark_step ("modified in place after a lazy op used
+    it"), though the code had done nothing wrong."""
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(4, 2)
+    model = pydisc.lazy(copy.deepcopy(ref))
+    w = torch.nn.Parameter(torch.randn(2))
+    w_lazy = torch.nn.Parameter(w.detach().clone())
+    opts = make_opt(list(ref.parameters()) + [w]), make_opt(list(model.parameters()) + [w_lazy])
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x = torch.randn(3, 4, generator=g)
+        for m, weight, opt in ((ref, w, opts[0]), (model, w_lazy, opts[1])):
+            opt.zero_grad()
+            (m(x) * weight).square().sum().backward()
+            opt.step()
+        pydisc.mark_step()
+    assert not pydisc.is_lazy(w_lazy)
+    torch.testing.assert_close(w_lazy.detach(), w.detach(), rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_an_eager_tensor_written_with_a_lazy_value_after_a_lazy_op_read_it():
+    """An eager op that writes an eager tensor with a lazy argument goes through pydisc, which runs what
+    is pending first when a pending op reads that tensor: the op before read the old value, as in eager
+    (the step was refused at mark_step, "modified in place after a lazy op used it")."""
+    buf = torch.ones(3)
+    x = lazy(torch.arange(3.0))
+    y = x * buf
+    buf.copy_(x + 1)
+    pydisc.mark_step()
+    assert_same(y, torch.arange(3.0))
+    torch.testing.assert_close(buf, torch.arange(3.0) + 1)
+
+
 def test_eager_tensor_modified_after_capture_is_refused():
     x = torch.ones(3)
     lx = lazy(torch.ones(3))
