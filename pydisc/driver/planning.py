@@ -14,7 +14,7 @@ from ..diagnostics import explain_recompile, log, warn_once
 from ..frontend.lazy_tensor import RECORDER
 from ..frontend.replay import NotDynamic, Program, concrete_program, program_from_trace, symbolic_program
 from ..frontend.tensor import StrictModeError
-from ..frontend.trace import Trace
+from ..frontend.trace import Trace, storage_serial
 from ..metrics import METRICS
 from . import background, dynamic, fast_match, optimizer_state, template_match
 from .bind import bind
@@ -33,7 +33,7 @@ def _model_of(trace: Trace) -> tuple:
     models of one architecture and other widths (a sweep over hyperparameters in one process) have the
     same ops: without this the second one's first steps looked like the first one's with changed sizes,
     made those dims dynamic and pinned them to its weights' sizes."""
-    return tuple(id(s) for s in trace.input_storages if s.produced is None and s.ordinal < 0)
+    return tuple(storage_serial(s) for s in trace.input_storages if s.produced is None and s.ordinal < 0)
 
 
 def _ops_of(sig: tuple):

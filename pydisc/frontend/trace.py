@@ -12,6 +12,7 @@ finding the compiled plan for a step costs one dict lookup.
 """
 from __future__ import annotations
 
+import itertools
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -19,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 __all__ = [
-    "LazyStorage", "ValueRef", "RealRef", "ScalarRef", "Entry", "Trace", "grow_values", "out_kind",
+    "LazyStorage", "ValueRef", "RealRef", "ScalarRef", "Entry", "Trace", "grow_values", "out_kind", "storage_serial",
 ]
 
 
@@ -34,7 +35,7 @@ class LazyStorage:
     """
 
     __slots__ = ("real", "nbytes", "creator", "written", "epoch", "input_index", "ordinal", "produced",
-                 "fast_written", "__weakref__")
+                 "fast_written", "serial", "__weakref__")
 
     def __init__(self, nbytes: int, real: torch.Tensor | None = None, epoch: int = -1,
                  produced: int | None = None) -> None:
@@ -48,6 +49,19 @@ class LazyStorage:
         self.ordinal = -1           # a step input: made lazy as the ordinal-th input of its step
         # the step whose recorded op allocated it (None: a parameter, buffer, input or eager result)
         self.produced = produced
+
+
+_SERIALS = itertools.count()
+
+
+def storage_serial(s: LazyStorage) -> int:
+    """A number no other storage of the process gets, for identities kept across steps (`id(s)` is
+    another storage's once `s` dies: a second model's parameters looked like the first one's)."""
+    try:
+        return s.serial
+    except AttributeError:
+        n = s.serial = next(_SERIALS)
+        return n
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,6 +302,8 @@ class Trace:
         """Whether the trace reads eager tensor `t`'s memory by reference: an eager input, or a step input
         wrapped without a copy (a module input, `to_lazy`)."""
         ptr = t.untyped_storage().data_ptr()
+        if ptr == 0:
+            return False        # (an empty tensor)
         return any(r.untyped_storage().data_ptr() == ptr for r in self.real_inputs) or \
             any(r.untyped_storage().data_ptr() == ptr
                 for r, s in zip(self.storage_inputs, self.input_storages) if s.ordinal >= 0)
