@@ -67,6 +67,8 @@ class SymbolicInputs:
         before its attention reads the cache, and that comparison of a number with a symbol would pin the
         mask's length."""
         session = self.symbolic
+        if session is None:
+            return None     # (another thread, as the step ends)
         if t._concrete is not None and t._fake is not None and t._fake_sid == session.id:
             return t._fake.shape        # a carried input with dynamic dims
         storage = t._storage
