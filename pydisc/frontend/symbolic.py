@@ -280,8 +280,7 @@ class SymbolicStep:
         """The sizes Python code reads of `real`, a whole contiguous tensor an earlier step made, before any
         op of this step has read it: every dim of 2 or more a symbol without a source yet (`pending`).
         `make=False`: only those given already (None if none were)."""
-        key = (id(storage), tuple(real.shape))
-        found = self.pending.get(key)
+        found = self.pending.get(_pending_key(real, storage))
         if found is None:
             if not make:
                 return None
@@ -289,13 +288,13 @@ class SymbolicStep:
             symbols = {d: self._symbol(int(size), "pydisc_pending%d_dim%d" % (n, d))
                        for d, size in enumerate(real.shape) if size >= 2}
             sizes = [symbols[d][1] if d in symbols else size for d, size in enumerate(real.shape)]
-            found = self.pending[key] = (storage, symbols, self.fake_symbolic(sizes, _contiguous(sizes), real.dtype,
-                                                                              real.device))
+            found = self.pending[_pending_key(real, storage)] = (
+                storage, symbols, self.fake_symbolic(sizes, _contiguous(sizes), real.dtype, real.device))
         return found[2].shape
 
     def pending_symbols(self, real: torch.Tensor, storage) -> dict | None:
         """{dim: (symbol, SymInt)} that `pending_sizes` gave `real`'s sizes, or None."""
-        found = self.pending.get((id(storage), tuple(real.shape)))
+        found = self.pending.get(_pending_key(real, storage))
         return None if found is None else found[1]
 
     def settle(self) -> None:
@@ -366,6 +365,10 @@ class _Faking:
             self.step.fake_mode.__exit__(*exc)
         finally:
             self.step._mode.faking -= 1
+
+
+def _pending_key(real: torch.Tensor, storage) -> tuple:
+    return id(storage), tuple(real.shape)      # (the entry holds the storage: the id stays its own)
 
 
 def _contiguous(sizes) -> tuple:

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from .layout import numel
+from .layout import is_whole, numel
 from .symbolic import SymbolicStep, hint
 from .tensor import LazyTensor, LiftedScalar, concrete_layout
 from .trace import LazyStorage
@@ -75,7 +75,7 @@ class SymbolicInputs:
         if t._epoch == self.trace.epoch or self.carried_dims is None or storage.produced != self.step_id - 1:
             return None
         real = t._real
-        if real is None or not _whole(real):
+        if real is None or not is_whole(real):
             return None
         # (an input of the step already, through another tensor: its dims were decided then)
         return session.pending_sizes(real, storage, make=storage.epoch != self.trace.epoch or storage.input_index < 0)
@@ -86,7 +86,7 @@ class SymbolicInputs:
         symbolically, the sizes Python code reads, `python_shape`)."""
         real = t._real
         index = storage.input_index
-        if real is None or not _whole(real):
+        if real is None or not is_whole(real):
             return
         dims = self.carried_dims(index, real)
         if not dims:
@@ -138,12 +138,6 @@ class SymbolicInputs:
         if isinstance(a, (list, tuple)):
             return type(a)(self.fake_of(x) for x in a)
         return a
-
-
-def _whole(real: torch.Tensor) -> bool:
-    """Whether `real` is all of its storage, contiguous (what a symbolic layout can stand for)."""
-    return real.storage_offset() == 0 and real.is_contiguous() and \
-        real.untyped_storage().nbytes() == real.numel() * real.element_size()
 
 
 # While a step records symbolically, `LazyTensor.shape` and `.size()` (torch's own otherwise). pydisc's
