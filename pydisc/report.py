@@ -14,7 +14,9 @@ def metrics_report(top: int = 10) -> str:
                                                                    m.graph_cache_misses),
         "  recorded ops         %d" % m.recorded_ops + (
             " (+ %d calls in %d forwards recorded at __torch_function__)" % (m.fast_entries, m.fast_segments)
-            if m.fast_entries else ""),
+            if m.fast_entries else "") + (
+            "; %d optimizer steps recorded from %d templates" % (m.optimizer_steps_stamped, m.optimizer_templates)
+            if m.optimizer_steps_stamped else ""),
         "  compiled clusters    %d (StableHLO %d with %d ops, torch-mlir %d with %d ops)" % (
             m.clusters, m.clusters_stablehlo, m.ops_stablehlo, m.clusters_torch_mlir, m.ops_torch_mlir),
         "  IREE compiles        %d (%.2f s), cache hits %d (%d from disk)" % (

@@ -300,7 +300,8 @@ def _foreach_for_lazy_groups(optimizer, args, kwargs) -> None:
         params = group.get("params")
         if ("foreach" in group and group["foreach"] is None and not group.get("fused")
                 and not group.get("differentiable") and params
-                and all(type(p) is LazyTensor for p in params) and not _writes_grads(optimizer, group)):
+                and all(type(p) is LazyTensor for p in params) and not _writes_grads(optimizer, group)
+                and not _tensor_hyperparameters(group)):
             group["foreach"] = True
             flipped.append(group)
     if flipped:
@@ -308,6 +309,12 @@ def _foreach_for_lazy_groups(optimizer, args, kwargs) -> None:
         if not optimizer.__dict__.get(_REPORTS):
             optimizer.register_state_dict_post_hook(_as_left_to_torch)
             setattr(optimizer, _REPORTS, True)
+
+
+def _tensor_hyperparameters(group: dict) -> bool:
+    """A tensor learning rate or betas: Adam's foreach implementation refuses them unless `capturable`
+    (eager's loop on the CPU takes them)."""
+    return isinstance(group.get("lr"), torch.Tensor) or any(isinstance(b, torch.Tensor) for b in group.get("betas", ()))
 
 
 def _writes_grads(optimizer, group: dict) -> bool:

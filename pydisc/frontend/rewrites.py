@@ -23,6 +23,7 @@ from torch.utils._mode_utils import no_dispatch
 
 from .dtype_checks import EAGER_DTYPE_CHECKS, eager_dtype_error
 from .foreach import optimizers_take_their_foreach_path, record_foreach
+from . import optimizer_step
 from .layout import contiguous_strides
 from .lazy_tensor import RECORDER, LazyTensor, LiftedScalar, liftable, to_lazy
 from .op_facts import REWRITES, opinfo
@@ -272,6 +273,7 @@ def install_rewrites() -> None:
         r[getattr(aten, "addcdiv" + inplace).default] = _addc(aten.div.Tensor, add)
     r["_foreach_"] = record_foreach     # matched by name: aten's namespace loads ops lazily
     optimizers_take_their_foreach_path()
+    optimizer_step.install()     # (after the foreach hooks: its key reads the `foreach` they set)
     r[aten.native_batch_norm.default] = _batch_norm
     r[aten._native_batch_norm_legit.default] = _batch_norm_eval_cpu
     r[aten._native_batch_norm_legit_no_training.default] = _batch_norm_eval_cpu
