@@ -1,6 +1,6 @@
 """What recording costs: microseconds per recorded ATen op, against eager PyTorch's cost per ATen op.
 
-For each model, one training step (forward, backward, SGD with momentum) is timed two ways on CPU:
+For each model, one training step (forward, backward, SGD with momentum or `--optimizer adamw`) is timed two ways on CPU:
   - pydisc: from the start of the step until just before `mark_step()` (recording only), divided by
     the step's recorded entries (ATen ops through the dispatcher, plus the calls recorded at
     `__torch_function__` on the fast path, docs/fast_recording.md); `mark_step()` on the warm plan (plan
@@ -21,7 +21,7 @@ autograd's API) when every torch call returns at once a result prepared for it (
 any recorder at `__torch_function__` can cost, against the eager step, taking turns with it too.
 
     python bench/record_overhead.py [--repeats 50] [--stat median|min] [--fast both|on|off]
-        [--models mlp,block,gpt-char,bert-mlm,bert-mlm-dropout,hf-gpt2,hf-gpt2-dropout]
+        [--models mlp,block,gpt-char,bert-mlm,bert-mlm-dropout,hf-gpt2,hf-gpt2-dropout] [--optimizer sgd|adamw]
     PYDISC_ASYNC=0 python bench/record_overhead.py ...     # mark_step returns when the step has run
     python bench/record_overhead.py --compare-async --repeats 15 --models ...   # both, taking turns
 """
@@ -130,6 +130,12 @@ WORKLOADS = {"mlp": Workload("mlp 64-256-256-10, batch 64", MLP, (64, 64)),
 DEFAULT_MODELS = ("mlp", "block")
 
 
+# the optimizer of the timed steps (`--optimizer`); the floor steps with the same, in its foreach form
+OPTIMIZERS = {"sgd": lambda params, **kw: torch.optim.SGD(params, lr=0.01, momentum=0.9, **kw),
+              "adamw": lambda params, **kw: torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, **kw)}
+OPTIMIZER = ["sgd"]
+
+
 class CountOps(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
@@ -168,7 +174,7 @@ def _setup(workload: Workload, fast_record: bool | None) -> tuple:
     torch.manual_seed(0)
     eager = workload.make_model()
     lazy = pydisc.lazy(copy.deepcopy(eager), fast_record=fast_record)
-    make_opt = lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9)  # noqa: E731
+    make_opt = OPTIMIZERS[OPTIMIZER[0]]
     if workload.vocab:
         x = torch.randint(0, workload.vocab, workload.input_shape)
         y = torch.randint(0, workload.vocab, workload.input_shape)
@@ -325,7 +331,7 @@ def floor(workload: Workload, repeats: int, stat: Callable[[list[float]], float]
                 m._parameters[name] = q = _Prepared(p.detach(), p.requires_grad)
                 grads.append((q, _Prepared(p.detach())))
     step = PreparedStep(grads)
-    make_opt = lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9, foreach=True)  # noqa: E731
+    make_opt = lambda params: OPTIMIZERS[OPTIMIZER[0]](params, foreach=True)  # noqa: E731
     eager_opt, prepared_opt = make_opt(eager.parameters()), make_opt(prepared.parameters())
     x = torch.randint(0, workload.vocab, workload.input_shape) if workload.vocab else torch.randn(workload.input_shape)
     y = torch.randint(0, workload.vocab or 10, workload.input_shape if workload.vocab else workload.input_shape[:1])
@@ -423,6 +429,8 @@ def main() -> None:
     p.add_argument("--fast", choices=("both", "on", "off"), default="both",
                    help="record at __torch_function__ (PYDISC_FAST_RECORD, docs/fast_recording.md), op by op "
                         "through the dispatcher, or both side by side (default)")
+    p.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="sgd",
+                   help="the training steps' optimizer: SGD with momentum 0.9 (default) or AdamW")
     p.add_argument("--compare-async", action="store_true",
                    help="instead: eager, PYDISC_ASYNC=1 and PYDISC_ASYNC=0 taking turns in one process "
                         "(--repeats blocks of 10 steps each, fast recording as configured)")
@@ -430,6 +438,7 @@ def main() -> None:
                    help="with --compare-async: comma-separated GIL switch intervals (seconds) that a step in "
                         "flight sets, each a column of its own, instead of pydisc's")
     args = p.parse_args()
+    OPTIMIZER[0] = args.optimizer
     torch.set_num_threads(args.threads)
     if args.compare_async:
         print("torch %s, %d thread(s), median ms per step over %d blocks of 10 steps, taking turns"
@@ -457,9 +466,9 @@ def main() -> None:
             floors[w.name] = "%.2fx" % floor(w, args.repeats, stat)
         except Exception as e:      # (the model's Python needs more than prepared results)
             floors[w.name] = "- (%s)" % type(e).__name__
-    print("torch %s, %d thread(s), %s of %d steps after %d warm-up steps, PYDISC_ASYNC=%d"
+    print("torch %s, %d thread(s), %s of %d steps after %d warm-up steps, PYDISC_ASYNC=%d, %s"
           % (torch.__version__, torch.get_num_threads(), args.stat, args.repeats, args.warmup,
-             pydisc.config.CONFIG.async_cpu))
+             pydisc.config.CONFIG.async_cpu, args.optimizer))
     print()
     print("| model, recording path | eager ATen ops | eager us/op | recorded entries | record us/entry "
           "| eager step | pydisc record + mark_step (lookup+bind / run / wait) | record / eager step "

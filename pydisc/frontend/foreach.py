@@ -24,7 +24,8 @@ from .lazy_tensor import RECORDER, LazyTensor, LiftedScalar, liftable
 from .meta_keys import symbolic_args
 from .op_facts import opinfo
 
-__all__ = ["SplitForeach", "record_foreach", "optimizers_take_their_foreach_path"]
+__all__ = ["SplitForeach", "record_foreach", "optimizers_take_their_foreach_path", "takes_foreach",
+           "FOREACH_HOOKS"]
 
 aten = torch.ops.aten
 _LIFTING = {"mul", "div", "add", "sub", "lerp", "addcmul", "addcdiv"}
@@ -293,15 +294,26 @@ _HOOKS = None       # the step hooks, registered once per process
 _FLIPPED = "_pydisc_foreach_groups"     # the optimizer's attribute: the groups set to foreach for a step
 
 
+def takes_foreach(optimizer, group: dict) -> bool:
+    """Whether the group's step takes torch's foreach implementation: set by the user, or left to torch
+    (None) for lazy parameters that `_foreach_for_lazy_groups` sets to it for the step."""
+    foreach = group.get("foreach")
+    return foreach is True or (foreach is None and _flipped_for_the_step(optimizer, group))
+
+
+def _flipped_for_the_step(optimizer, group: dict) -> bool:
+    params = group.get("params")
+    return ("foreach" in group and group["foreach"] is None and not group.get("fused")
+            and not group.get("differentiable") and bool(params)
+            and all(type(p) is LazyTensor for p in params) and not _writes_grads(optimizer, group)
+            and not _tensor_hyperparameters(group))
+
+
 def _foreach_for_lazy_groups(optimizer, args, kwargs) -> None:
     _foreach_put_back(optimizer, args, kwargs)     # a step that raised did not put them back
     flipped = []
     for group in optimizer.param_groups:
-        params = group.get("params")
-        if ("foreach" in group and group["foreach"] is None and not group.get("fused")
-                and not group.get("differentiable") and params
-                and all(type(p) is LazyTensor for p in params) and not _writes_grads(optimizer, group)
-                and not _tensor_hyperparameters(group)):
+        if _flipped_for_the_step(optimizer, group):
             group["foreach"] = True
             flipped.append(group)
     if flipped:
@@ -330,6 +342,9 @@ def _writes_grads(optimizer, group: dict) -> bool:
 def _foreach_put_back(optimizer, args, kwargs) -> None:
     for group in optimizer.__dict__.pop(_FLIPPED, ()):
         group["foreach"] = None
+
+
+FOREACH_HOOKS = (_foreach_for_lazy_groups, _foreach_put_back)
 
 
 _REPORTS = "_pydisc_foreach_reported"   # the optimizer's attribute: `_as_left_to_torch` is registered

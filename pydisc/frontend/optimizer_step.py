@@ -31,6 +31,7 @@ import torch
 from torch.optim import optimizer as _optimizer_module
 
 from .. import metrics as _metrics
+from .foreach import FOREACH_HOOKS, takes_foreach
 from .lazy_tensor import RECORDER, LazyTensor
 from .source import user_source
 from .trace import VALUE_REFS, VALUE_SIGS, Entry, LazyStorage, ScalarRef, ValueRef, out_kind
@@ -71,26 +72,23 @@ def _config(opt) -> tuple | None:
     key: list = [kind]
     roles: list = []
     groups = []
-    device = None
     for group in opt.param_groups:
         if group.get("fused") or group.get("differentiable") or group.get("capturable") or \
-                group.get("foreach") is not True or type(group["lr"]) is not float:
+                type(group["lr"]) is not float or not takes_foreach(opt, group):
             return None
+        # (dtypes and devices are in the layouts: torch's step groups its tensors by them, and a template
+        # is only kept where the floats it lifted were in the order `_scalars` gives)
         params = []
-        has = []
+        grads = []
         for p in group["params"]:
             g = _GRAD(p)
-            has.append(g is not None)
             if g is not None:
-                if type(p) is not LazyTensor or type(g) is not LazyTensor or p.dtype is not torch.float32 or \
-                        g.dtype is not torch.float32 or g.layout is not torch.strided:
-                    return None
-                if device is None:
-                    device = p.device
-                elif p.device != device:
+                if type(p) is not LazyTensor or type(g) is not LazyTensor:
                     return None
                 params.append(p)
-        grads = [_GRAD(p) for p in params]
+                grads.append(g)
+        has = len(params) if len(params) == len(group["params"]) else tuple(_GRAD(p) is not None
+                                                                           for p in group["params"])
         steps = None
         decoupled = False
         if kind == "sgd":
@@ -126,8 +124,8 @@ def _config(opt) -> tuple | None:
                 if type(step) is not torch.Tensor or step.dim() != 0 or step.device.type != "cpu":
                     return None
                 steps.append(step)
-        key.append((flags, tuple(has), tuple(p._mk for p in params), tuple(g._mk for g in grads),
-                    tuple(t._mk for t in states)))
+        key.append((flags, has, tuple([p._mk for p in params]), tuple([g._mk for g in grads]),
+                    tuple([t._mk for t in states])))
         roles += params
         roles += grads
         roles += states
@@ -392,7 +390,7 @@ class Template:
                 fn, [_decode(a, vids, refs) for a in args], {k: _decode(v, vids, refs) for k, v in kwargs.items()},
                 tuple(out_vids), kind_of_out, tuple(storages[s] for s in reads),
                 tuple(storages[s] for s in writes),
-                tuple(VALUE_SIGS[vids[p.slot]] if type(p) is _Slot else p for p in sig), source))
+                tuple([VALUE_SIGS[vids[p.slot]] if type(p) is _Slot else p for p in sig]), source))
         METRICS.recorded_ops += len(self.entries)
         METRICS.optimizer_steps_stamped += 1
         if len(trace.entries) >= rec.prune_at and rec.pruner is not None:
@@ -438,8 +436,8 @@ class FastStep:
         if not templates or not _recordable() or not _pydisc_hooks_only(opt):
             return False
         for hook in _PRE.values():
-            if hook is not _capture_begin:
-                hook(opt, (opt,), {})
+            if hook is not _capture_begin and hook not in FOREACH_HOOKS:
+                hook(opt, (opt,), {})     # (pydisc's: the notes that put Adam's counters back if the step fails)
         try:
             with RECORDER.lock:
                 config = _config(opt)
@@ -462,5 +460,5 @@ class FastStep:
             return True
         finally:
             for hook in _POST.values():
-                if hook is not _capture_end:
+                if hook is not _capture_end and hook not in FOREACH_HOOKS:
                     hook(opt, (opt,), {})
