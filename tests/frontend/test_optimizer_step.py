@@ -116,17 +116,17 @@ def test_a_stamped_step_records_what_torchs_step_records(name, fast_recording, r
             assert torch.equal(u, v)
 
 
-def _train_against_eager(make_opt, interfere, steps: int = 5):
+def _train_against_eager(make_opt, interfere, steps: int = 5, device: str = "cpu"):
     """A lazy MLP and an eager copy trained side by side; `interfere(opt, k)` before each step's `step()`
     (for both). Returns the stamped count per step."""
     torch.manual_seed(0)
-    ref = _mlp()
+    ref = _mlp().to(device)
     model = pydisc.lazy(copy.deepcopy(ref))
     o_ref, o = make_opt(ref.parameters()), make_opt(model.parameters())
     g = torch.Generator().manual_seed(1)
     counts = []
     for k in range(steps):
-        x, y = torch.randn(5, 6, generator=g), torch.randint(0, 3, (5,), generator=g)
+        x, y = torch.randn(5, 6, generator=g).to(device), torch.randint(0, 3, (5,), generator=g).to(device)
         for m, opt in ((ref, o_ref), (model, o)):
             opt.zero_grad()
             loss = F.cross_entropy(m(x), y)
@@ -135,8 +135,9 @@ def _train_against_eager(make_opt, interfere, steps: int = 5):
             opt.step(closure) if closure is not None else opt.step()
         counts.append(METRICS.optimizer_steps_stamped)
         pydisc.mark_step()
+    tol = 1e-6 if device == "cpu" else 1e-5
     for a, b in zip(ref.parameters(), model.parameters()):
-        torch.testing.assert_close(b.detach(), a.detach(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(b.detach(), a.detach(), rtol=tol, atol=tol)
     return counts
 
 
@@ -174,10 +175,11 @@ def test_steps_it_does_not_take_run_torchs_step_and_equal_eager(make_opt, interf
     assert counts[3] == counts[2], counts   # the step interfered with is torch's
 
 
-def test_a_stamped_step_is_planned_once_and_trains_like_eager(fast_recording) -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_stamped_step_is_planned_once_and_trains_like_eager(device, fast_recording) -> None:
     """Compiled: the stamped steps reuse the plan of the step torch's step recorded, and train as eager."""
     counts = _train_against_eager(lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.01), lambda o, k: None,
-                                  steps=5)
+                                  steps=5, device=device)
     assert counts[-1] == 3, counts
     m = pydisc.metrics()
     assert m["graph_cache_misses"] == 2, m      # the first step (state made) and the second: no other plan
