@@ -43,6 +43,28 @@ _TO = _Tensor.to
 _PLAIN_CONSTANTS = frozenset({int, float, bool, torch.dtype, torch.Size, torch.memory_format, torch.layout})
 
 
+_GRADIENT_LAYOUTS: dict = {}     # a parameter's layout key -> its gradient's layout (`_gradient_layout`)
+
+
+def _gradient_layout(p: LazyTensor) -> tuple:
+    """(size, stride, nbytes, dtype, layout key, trace meta) of the gradient a fused step gives `p`: its
+    strides where it is contiguous from its storage's start, else contiguous ones, in a storage of its own
+    (as autograd lays out a leaf's gradient). Worked out once per layout."""
+    mk = p._mk
+    found = _GRADIENT_LAYOUTS.get(mk)
+    if found is None:
+        size, stride, offset, dtype, _, device = mk.layout
+        if offset != 0 or not torch.empty_strided(size, stride, dtype=dtype, device="meta").is_contiguous():
+            stride = contiguous_strides(size)
+        stride = tuple(stride)
+        nbytes = dtype.itemsize
+        for n in size:
+            nbytes *= n
+        found = _GRADIENT_LAYOUTS[mk] = (size, stride, nbytes, dtype, layout_key(size, stride, 0, dtype, nbytes, device),
+                                         (size, stride, 0, dtype))
+    return found
+
+
 class Segment:
     """The calls of one forward (and loss) recorded at `__torch_function__`."""
 
@@ -460,13 +482,19 @@ class Segment:
             kind = out_kind(len(trace.entries))
             out_vids = []
             grads = []
+            device, step, tensors = self.device, RECORDER.step_id, trace.tensors
             for i in leaves:
                 p = self.externals[i]
-                size = tuple(p.shape)
-                stride = p.stride() if p.is_contiguous() and p.storage_offset() == 0 else contiguous_strides(size)
-                nbytes = p.numel() * p.element_size()
-                g = self._new_value(trace, kind, size, stride, 0, p.dtype, nbytes, None, epoch)
-                out_vids.append(g._vid)
+                size, stride, nbytes, dtype, mk, meta = _gradient_layout(p)
+                # (`_new_value` without LazyTensor's checks: the layout and its key come from the parameter's)
+                storage = LazyStorage(nbytes, None, epoch, step)
+                g = _make_wrapper(LazyTensor, size, strides=stride, dtype=dtype, device=device)
+                g._storage = storage
+                g._mk = mk
+                g._vid = storage.creator = vid = trace.new_value(kind, storage, meta)
+                g._epoch = epoch
+                tensors[vid] = weakref.ref(g)
+                out_vids.append(vid)
                 grads.append((p, g))
             storages = {}
             by_fid = {o._fid: o for o in alive}
