@@ -189,7 +189,7 @@ class Recorder(SymbolicInputs):
     def ref(self, t: LazyTensor) -> ValueRef:
         trace = self.trace
         if t._epoch == trace.epoch:
-            return ValueRef(t._vid)
+            return VALUE_REFS[t._vid]       # (the shared one: a frozen dataclass costs ~1 µs to make)
         if t._real is None and self.in_flight is not None:
             self.in_flight("a result of the step before")
         if t._real is None:
@@ -224,7 +224,7 @@ class Recorder(SymbolicInputs):
         t._vid = vid
         t._epoch = trace.epoch
         trace.tensors[vid] = weakref.ref(t)
-        return ValueRef(vid)
+        return VALUE_REFS[vid]
 
     def adopt(self, t: LazyTensor, view: LazyTensor) -> None:
         """`t`, whose sizes an in-place view op has just changed, becomes `view` (that op's out-of-place
