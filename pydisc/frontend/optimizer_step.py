@@ -31,6 +31,7 @@ import torch
 from torch.optim import optimizer as _optimizer_module
 
 from .. import metrics as _metrics
+from ..diagnostics import warn_once
 from .foreach import FOREACH_HOOKS, takes_foreach
 from .lazy_tensor import RECORDER, LazyTensor
 from .source import user_source
@@ -188,6 +189,22 @@ def _recordable() -> bool:
 
 def _capture_begin(opt, args, kwargs) -> None:
     opt.__dict__.pop(_CAPTURE, None)    # (of a step that raised: its post-hook did not run)
+    try:
+        _begin(opt, args, kwargs)
+    except Exception as exc:     # noqa: BLE001 - pydisc's failure: torch's step goes on
+        _failed(exc)
+
+
+def _failed(exc: Exception) -> None:
+    """Recording an optimizer step from a template failed inside pydisc: counted, warned once; torch's
+    step runs (and ran) as it would without pydisc."""
+    METRICS.compile_failures["optimizer template: " + type(exc).__name__] += 1
+    warn_once("optimizer template " + type(exc).__name__,
+              "pydisc: recording an optimizer step from its template failed (%s: %s); torch's step runs instead. "
+              "Please report this." % (type(exc).__name__, exc))
+
+
+def _begin(opt, args, kwargs) -> None:
     if (args[1] if len(args) > 1 else kwargs.get("closure")) is not None:
         return      # a closure: the forward runs inside the step
     if type(opt) not in _KINDS or not _recordable() or not _pydisc_hooks_only(opt):
@@ -213,6 +230,9 @@ def _capture_end(opt, args, kwargs) -> None:
     try:
         template = _template(opt, capture)
     except _NotATemplate:
+        template = None
+    except Exception as exc:     # noqa: BLE001 - pydisc's failure: torch's steps go on
+        _failed(exc)
         template = None
     opt.__dict__.setdefault(_TEMPLATES, {})[capture[0][0]] = template
     if template is not None:
@@ -288,10 +308,12 @@ def _template(opt, capture) -> Template:
                 named.add(slot)
                 first.append(slot)
         # the signature with its value parts as slots (in the order the arguments named them)
-        it = iter(slots)
-        sig = tuple(_Slot(next(it)) if type(part) is tuple and len(part) == 2 and part[0] == "v" else part
-                    for part in e.sig)
-        _check(next(it, None) is None and len(e.reads) == len(slots))
+        values = [k for k, part in enumerate(e.sig) if type(part) is tuple and len(part) == 2 and part[0] == "v"]
+        _check(len(values) == len(slots) == len(e.reads))
+        sig = list(e.sig)
+        for k, slot in zip(values, slots):
+            sig[k] = _Slot(slot)
+        sig = tuple(sig)
         writes = tuple(storage_slot.get(id(storage), -1) for storage in e.writes)
         _check(-1 not in writes)
         outs = []
@@ -364,14 +386,14 @@ class Template:
         epoch = trace.epoch
         vids = [-1] * (len(roles) + len(self.temps))
         storages = [t._storage for t in roles] + [None] * len(self.temps)
-        base = len(trace.scalars)
-        trace.scalars += [float(v) for v in scalars]
-        refs = [ScalarRef(base + k) for k in range(len(scalars))]
+        refs = [ScalarRef(len(trace.scalars) + k) for k in range(len(scalars))]
         step = rec.step_id
         source = user_source(3) if rec.capture_sources else None
         n_roles = self.n_roles
-        for fn, args, kwargs, outs, kind_of_out, sig, reads, writes, first in self.entries:
-            index = len(trace.entries)
+        entries = []
+        written = []
+        for k, (fn, args, kwargs, outs, kind_of_out, sig, reads, writes, first) in enumerate(self.entries):
+            index = len(trace.entries) + k
             for s in first:
                 t = roles[s]
                 vids[s] = t._vid if t._epoch == epoch else rec.ref(t).vid
@@ -384,13 +406,18 @@ class Template:
                     storage.creator = vids[s]
                     storages[s] = storage
                 out_vids.append(None if s is None else vids[s])
-            for s in writes:
-                storages[s].written = True
-            trace.entries.append(Entry(
+            written += [storages[s] for s in writes]
+            entries.append(Entry(
                 fn, [_decode(a, vids, refs) for a in args], {k: _decode(v, vids, refs) for k, v in kwargs.items()},
                 tuple(out_vids), kind_of_out, tuple(storages[s] for s in reads),
                 tuple(storages[s] for s in writes),
                 tuple([VALUE_SIGS[vids[p.slot]] if type(p) is _Slot else p for p in sig]), source))
+        # (all at once: a step that failed above has added nothing a plan reads, but inputs and values
+        # that no entry names)
+        trace.scalars += [float(v) for v in scalars]
+        trace.entries += entries
+        for storage in written:
+            storage.written = True
         METRICS.recorded_ops += len(self.entries)
         METRICS.optimizer_steps_stamped += 1
         if len(trace.entries) >= rec.prune_at and rec.pruner is not None:
@@ -451,12 +478,19 @@ class FastStep:
                 steps = [t for _, _, group_steps, _ in groups if group_steps for t in group_steps]
                 if steps:
                     torch._foreach_add_(steps, 1.0)     # Adam's counters, as its step moves them
-                scalars = _scalars(kind, groups)
-                if scalars is None or len(scalars) != template.n_scalars:
+                try:
+                    scalars = _scalars(kind, groups)
+                    if scalars is None or len(scalars) != template.n_scalars:
+                        scalars = None
+                    else:
+                        template.stamp(roles, scalars)
+                except Exception as exc:     # noqa: BLE001 - pydisc's failure: torch's step runs instead
+                    _failed(exc)
+                    scalars = None
+                if scalars is None:
                     if steps:
                         torch._foreach_sub_(steps, 1.0)
                     return False
-                template.stamp(roles, scalars)
             return True
         finally:
             for hook in _POST.values():

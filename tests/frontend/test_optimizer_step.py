@@ -208,3 +208,17 @@ def test_a_scheduler_made_after_stamping_began_schedules_and_warns_of_nothing(fa
     # a copy of the optimizer is torch's again (its state and groups, not pydisc's `step`)
     copied = copy.deepcopy(opt)
     assert "step" not in copied.__dict__ and copied.state_dict()["param_groups"] == opt.state_dict()["param_groups"]
+
+
+@pytest.mark.parametrize("where", ["capture", "stamp"])
+def test_a_failure_inside_pydisc_runs_torchs_step_warns_once_and_is_counted(where, fast_recording, replayed_eagerly,
+                                                                          monkeypatch) -> None:
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(optimizer_step, "_template", broken) if where == "capture" else \
+        monkeypatch.setattr(optimizer_step.Template, "stamp", broken)
+    with pytest.warns(pydisc.PydiscWarning, match="injected failure"):
+        counts = _train_against_eager(lambda p: torch.optim.Adam(p, lr=1e-2), lambda o, k: None)
+    assert counts[-1] == 0, counts
+    assert METRICS.compile_failures == {"optimizer template: RuntimeError": 1 if where == "capture" else 3}
