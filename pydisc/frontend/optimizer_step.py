@@ -20,7 +20,7 @@ change from step to step. So, in a step whose forward the fast recorder recorded
 A step whose `_config` (the flags, which hyperparameters are zero, the layouts, which parameters have a
 gradient) is not the template's runs torch's step, which is captured again. Never taken: a closure, step
 hooks that are not pydisc's, `fused`, `capturable`, `differentiable`, a tensor learning rate or betas,
-parameters that are not float32 lazy tensors of one device, optimizer state that is not lazy, a step
+parameters or gradients that are not lazy tensors, optimizer state that is not lazy, a step
 recorded with symbolic sizes, a step whose forward was recorded by the dispatcher.
 """
 from __future__ import annotations
