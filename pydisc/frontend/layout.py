@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["LayoutKey", "contiguous_strides", "flat_base", "hint", "is_symbolic", "is_whole", "layout_key", "numel",
-           "view_of_base"]
+__all__ = ["LayoutKey", "contiguous_strides", "flat_base", "hint", "is_symbolic", "is_whole", "layout_key",
+           "gradient_layout", "numel", "view_of_base"]
 
 
 def is_whole(t: torch.Tensor) -> bool:
@@ -83,3 +83,22 @@ def hint(x):
     if isinstance(x, torch.SymBool):
         return bool(x.node.hint)
     return x
+
+
+_GRADIENT_LAYOUTS: dict[LayoutKey, tuple] = {}
+
+
+def gradient_layout(mk: LayoutKey) -> tuple:
+    """(size, stride, nbytes, dtype, layout key, trace meta) of the gradient a fused step gives a parameter
+    of layout `mk`: its strides where it is contiguous from its storage's start, else contiguous ones, in
+    a storage of its own (as autograd lays out a leaf's gradient). Worked out once per layout."""
+    found = _GRADIENT_LAYOUTS.get(mk)
+    if found is None:
+        size, stride, offset, dtype, _, device = mk.layout
+        if offset != 0 or not torch.empty_strided(size, stride, dtype=dtype, device="meta").is_contiguous():
+            stride = contiguous_strides(size)
+        stride = tuple(stride)
+        nbytes = numel(size) * dtype.itemsize
+        found = _GRADIENT_LAYOUTS[mk] = (size, stride, nbytes, dtype, layout_key(size, stride, 0, dtype, nbytes, device),
+                                         (size, stride, 0, dtype))
+    return found

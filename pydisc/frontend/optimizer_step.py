@@ -380,7 +380,7 @@ class Template:
     def stamp(self, roles: list, scalars: list) -> None:
         """Append the entries for `roles` (this step's tensors, `_config`) and `scalars` (its floats) to the
         pending trace, as the dispatcher records them (`Recorder._record`). The role tensors must be
-        current (`current`)."""
+        current (`_current`)."""
         rec = RECORDER
         trace = rec.trace
         epoch = trace.epoch
@@ -424,15 +424,14 @@ class Template:
             rec.pruner()
 
 
-    @staticmethod
-    def current(roles: list) -> bool:
-        """Whether every role tensor holds a value of the pending trace or device data (where the
-        dispatcher would raise, reading a result of an abandoned step, torch's step runs and raises)."""
-        epoch = RECORDER.trace.epoch
-        for t in roles:
-            if t._epoch != epoch and (t._real is None or t._fid is not None or t._redirect is not None):
-                return False
-        return True
+def _current(roles: list) -> bool:
+    """Whether every role tensor holds a value of the pending trace or device data (where the dispatcher
+    would raise, reading a result of an abandoned step, torch's step runs and raises)."""
+    epoch = RECORDER.trace.epoch
+    for t in roles:
+        if t._epoch != epoch and (t._real is None or t._fid is not None or t._redirect is not None):
+            return False
+    return True
 
 
 class FastStep:
@@ -469,11 +468,11 @@ class FastStep:
             with RECORDER.lock:
                 config = _config(opt)
                 template = templates.get(config[0]) if config is not None else None
-                if template is None or not _recordable():
+                if template is None:
                     return False
                 _, roles, groups = config
                 kind = _KINDS[type(opt)]
-                if not template.current(roles):
+                if not _current(roles):
                     return False
                 steps = [t for _, _, group_steps, _ in groups if group_steps for t in group_steps]
                 if steps:

@@ -20,7 +20,7 @@ from .. import metrics as _metrics
 from ..config import CONFIG
 from .call_meta import RECIPES, Recipe, call_recipe, on_device
 from .fused import _FVS, FV, XV, Demote, FusedStep, NoMeta, _amp, _fv, _xv, decode
-from .layout import contiguous_strides, layout_key
+from .layout import gradient_layout, layout_key
 from .lazy_tensor import RECORDER, LazyTensor, materialize
 from .meta_keys import constant_part
 from .tensor import _make_wrapper
@@ -41,28 +41,6 @@ _TO = _Tensor.to
 # Arguments that are constants as they are (no tensor inside, not a device): torch.Size holds ints (or the
 # SymInts of a symbolic step, in which no segment starts).
 _PLAIN_CONSTANTS = frozenset({int, float, bool, torch.dtype, torch.Size, torch.memory_format, torch.layout})
-
-
-_GRADIENT_LAYOUTS: dict = {}     # a parameter's layout key -> its gradient's layout (`_gradient_layout`)
-
-
-def _gradient_layout(p: LazyTensor) -> tuple:
-    """(size, stride, nbytes, dtype, layout key, trace meta) of the gradient a fused step gives `p`: its
-    strides where it is contiguous from its storage's start, else contiguous ones, in a storage of its own
-    (as autograd lays out a leaf's gradient). Worked out once per layout."""
-    mk = p._mk
-    found = _GRADIENT_LAYOUTS.get(mk)
-    if found is None:
-        size, stride, offset, dtype, _, device = mk.layout
-        if offset != 0 or not torch.empty_strided(size, stride, dtype=dtype, device="meta").is_contiguous():
-            stride = contiguous_strides(size)
-        stride = tuple(stride)
-        nbytes = dtype.itemsize
-        for n in size:
-            nbytes *= n
-        found = _GRADIENT_LAYOUTS[mk] = (size, stride, nbytes, dtype, layout_key(size, stride, 0, dtype, nbytes, device),
-                                         (size, stride, 0, dtype))
-    return found
 
 
 class Segment:
@@ -485,7 +463,7 @@ class Segment:
             device, step, tensors = self.device, RECORDER.step_id, trace.tensors
             for i in leaves:
                 p = self.externals[i]
-                size, stride, nbytes, dtype, mk, meta = _gradient_layout(p)
+                size, stride, nbytes, dtype, mk, meta = gradient_layout(p._mk)
                 # (`_new_value` without LazyTensor's checks: the layout and its key come from the parameter's)
                 storage = LazyStorage(nbytes, None, epoch, step)
                 g = _make_wrapper(LazyTensor, size, strides=stride, dtype=dtype, device=device)
