@@ -5,6 +5,7 @@ the run gets a view of its new device data (`bind`); the tensors of a symbolic s
 from __future__ import annotations
 
 import torch
+from torch.autograd.graph import increment_version
 
 from ..diagnostics import log
 from ..frontend.layout import flat_base, is_whole, view_of_base
@@ -47,13 +48,20 @@ def bind(trace: Trace, outputs: tuple, results: list[torch.Tensor], executed: li
         else:
             storage = trace.storages[index]
             size, stride, offset, dtype = trace.metas[index]
-            laid = _as_layout(val, size, stride)
-            if is_whole(laid):
-                storage.real = laid.detach().view(-1)     # (flat_base, known whole)
-                if laid is val:
-                    whole[id(storage)] = val
+            if val.is_contiguous() and val.storage_offset() == 0 and val.stride() == stride and \
+                    val.shape == size and val.untyped_storage().nbytes() == val.numel() * val.element_size():
+                # (the common case, `_as_layout` and `is_whole` inlined: a result of the recorded layout
+                # that is all of its storage)
+                storage.real = val.detach().view(-1)
+                whole[id(storage)] = val
             else:
-                storage.real = flat_base(laid)
+                laid = _as_layout(val, size, stride)
+                if is_whole(laid):
+                    storage.real = laid.detach().view(-1)     # (flat_base, known whole)
+                    if laid is val:
+                        whole[id(storage)] = val
+                else:
+                    storage.real = flat_base(laid)
         touched.append(storage)
     if written:
         _write_inputs(trace, written, [val for (kind, _), val in zip(outputs, results) if kind == "base"], copied)
@@ -128,7 +136,7 @@ def _write_inputs(trace: Trace, indices: list[int], vals: list[torch.Tensor], co
     here, as the copy would have moved them (eager code holding the data sees a write)."""
     reals = [trace.input_storages[i].real for i in indices]
     if copied:
-        torch._foreach_copy_(reals, reals)      # (a copy of a tensor into itself moves no data)
+        increment_version(reals)
     else:
         written = {r.untyped_storage().data_ptr() for r in reals}
         dsts, srcs = [], []
@@ -138,7 +146,7 @@ def _write_inputs(trace: Trace, indices: list[int], vals: list[torch.Tensor], co
             if val.untyped_storage().data_ptr() in written:
                 val = val.clone()
             dsts.append(real)
-            srcs.append(val if val.shape == real.shape else val.reshape(real.shape))
+            srcs.append(val if val.dim() == 1 else val.reshape(-1))     # (an input storage's data is flat)
         if dsts:
             torch._foreach_copy_(dsts, srcs)
     for i, real in zip(indices, reals):
@@ -163,7 +171,7 @@ def worker_copies(trace: Trace, outputs: tuple, results: list[torch.Tensor], per
         if val.untyped_storage().data_ptr() in reals or not val.is_contiguous() or val.numel() != real.numel():
             return None
         dsts.append(real.data)
-        srcs.append(val if val.shape == real.shape else val.view(real.shape))
+        srcs.append(val if val.dim() == 1 else val.view(-1))      # (an input storage's data is flat)
     return dsts, srcs
 
 
