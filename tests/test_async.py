@@ -340,3 +340,39 @@ def test_inputs_of_a_step_matched_to_a_dynamic_template_are_copied_too(fresh):
     assert m["async_runs"] >= 2 and m["dynamic_templates"] >= 1 and m["dynamic_matches"] >= 1, m
     for p, q in zip(lazy.parameters(), eager.parameters()):
         torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-6)
+
+
+def _kept(plan) -> list:
+    """How many outputs each compiled cluster of `plan` writes into tensors kept from run to run."""
+    return [sum(t is not None for t in cluster.kept or ()) for cluster, _ in plan.kept_outputs or ()]
+
+
+def test_new_parameter_values_are_written_into_kept_tensors_of_the_plan_that_ran_last(fresh, monkeypatch):
+    """A plan's compiled clusters write the step's new parameters and momentum buffers (copied into their
+    tensors at once) into the same tensors at every run, with and without the worker; batches of two sizes
+    taking turns run two plans, and only the plan that ran last keeps its tensors (a copy of the parameters
+    per plan would add up); the plans of reads (the comparisons at the end) take nothing from it. Losses and parameters
+    equal eager's throughout."""
+    sizes = [8, 8, 8, 5, 8, 5, 5, 8, 5, 8]
+    plans = []
+
+    def train():
+        eager, eager_opt, lazy, lazy_opt = _pair()
+        g = torch.Generator().manual_seed(3)
+        losses, want = [], []
+        for n in sizes:
+            x, y = torch.randn(n, 6, generator=g), torch.randint(0, 4, (n,), generator=g)
+            want.append(_step(eager, eager_opt, x, y).item())
+            got = _step(lazy, lazy_opt, x, y)
+            pydisc.mark_step()
+            losses.append(got.item())
+        pydisc.synchronize()
+        plans[:] = [p for p in ENGINE.plans.values() if p.kept_outputs]
+        return losses, want, lazy, eager
+
+    monkeypatch.setattr(pydisc.config.CONFIG, "dynamic", False)     # (a plan per batch size)
+    _with_and_without_worker(monkeypatch, train)
+    # (the first step, which makes the momentum buffers, has a plan of its own)
+    assert len(plans) == 3 and ENGINE.keeping in plans
+    assert _kept(ENGINE.keeping) == [4 + 4]      # the weights and biases of two Linears, and their momentum
+    assert all(_kept(plan) == [0] for plan in plans if plan is not ENGINE.keeping)

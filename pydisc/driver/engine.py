@@ -111,6 +111,7 @@ class Engine:
         self.worker = None                       # inflight.Worker, made at the first deferred run
         self.intervals: dict[str, float] = {}    # holder -> the switch interval it asked for
         self.saved_interval: float | None = None  # the process's own, while some holder is there
+        self.keeping = None                      # the plan whose clusters keep their outputs (plan.keep_base_outputs)
 
     # ---- the step mode the recorder reads ------------------------------------------------------
     @staticmethod
@@ -162,6 +163,7 @@ class Engine:
         self.jobs.clear()
         self.restore_interval()
         graphs.release_memory()
+        self.keeping = None
         self.plans.clear()
         self.seen_ops.clear()
         self.sightings.clear()

@@ -24,6 +24,7 @@ from ..config import CONFIG, applies
 from ..diagnostics import log, warn_once
 from ..exec import target_for
 from ..exec.clusters import CompiledCluster, CompiledRegion
+from .engine import ENGINE
 from ..exec.compiler import precompile
 from ..frontend import decompositions, fast, torch_mlir
 from ..frontend.emit import emit_cluster, size_function, unsupported_reason
@@ -53,6 +54,53 @@ class StepPlan:
     deferred_clusters: Any = None                         # its clusters where it can run on the worker, else False (inflight.py)
     value_check: bool = False                             # its last result: a value eager raises on (cluster/value_checks.py)
     fused_forwards: int = 0                               # forwards in it the fast recorder recorded (FusedStep entries)
+    kept_outputs: Any = None                              # [(cluster, its outputs kept)], once worked out (`keep_base_outputs`)
+
+
+def keep_base_outputs(plan: StepPlan, outputs: tuple) -> None:
+    """The plan of a concrete step runs, given its outputs: the outputs of its compiled clusters that are
+    only new values of the step's inputs (kind "base": parameters, optimizer state, which the binding
+    copies into their tensors at once, keeping nothing of them) are written into the same tensors at every
+    run (`CompiledCluster.keep_outputs`), for the last plan that had such outputs: the plan before it lets
+    go of its tensors, so that plans of other sizes do not each hold a copy of the parameters."""
+    if ENGINE.keeping is plan:
+        return
+    if plan.kept_outputs is None:
+        plan.kept_outputs = _base_outputs(plan, outputs)
+    if not plan.kept_outputs:
+        return          # (a plan of a read, of an evaluation: the training step's plan keeps its tensors)
+    if ENGINE.keeping is not None:
+        for cluster, _ in ENGINE.keeping.kept_outputs:
+            cluster.keep_outputs(())
+    for cluster, indices in plan.kept_outputs:
+        cluster.keep_outputs(indices)
+    ENGINE.keeping = plan
+
+
+def _base_outputs(plan: StepPlan, outputs: tuple) -> list:
+    """[(cluster, indices of its outputs that are returned only as "base" outputs of the step)]."""
+    runner = plan.runner
+    if not isinstance(runner, torch.fx.GraphModule):
+        return []
+    out_node = next(n for n in reversed(runner.graph.nodes) if n.op == "output")
+    returned = out_node.args[0]
+    if not isinstance(returned, (tuple, list)) or len(returned) != len(outputs) + plan.value_check:
+        return []
+    base_only: dict = {}        # returned node -> whether every place it is returned at is a "base" output
+    for node, (kind, _) in zip(returned, outputs):
+        base_only[node] = base_only.get(node, True) and kind == "base"
+    found = []
+    for node in runner.graph.nodes:
+        sub = getattr(runner, node.target) if node.op == "call_module" else None
+        if not isinstance(sub, CompiledCluster) or sub.single or sub.prepare is not None or \
+                sub.device.type != "cpu":
+            continue
+        kept = [user.args[1] for user in node.users
+                if user.op == "call_function" and user.target is operator.getitem and base_only.get(user)
+                and list(user.users) == [out_node] and type(user.args[1]) is int]
+        if kept:
+            found.append((sub, kept))
+    return found
 
 
 def _specs(emitted) -> list:

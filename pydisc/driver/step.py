@@ -29,7 +29,7 @@ from .dynamic import Binding
 from .bind import bind, input_versions, own_writes, worker_copies
 from .engine import ENGINE
 from .oom import out_of_memory_error, out_of_memory_in
-from .plan import StepPlan
+from .plan import StepPlan, keep_base_outputs
 from .slices import concrete_key, needed_entries, observable_entries, select_outputs, step_device
 from .step_check import StepCheck
 
@@ -261,6 +261,8 @@ def _run(trace: Trace, target: LazyTensor | None, defer: bool = False) -> tuple:
         else:
             call_inputs, perm = inputs, None
             graphed = graphs.enabled(device)    # a plan for these shapes: replayed from a CUDA graph
+            if not graphed and device.type == "cpu":
+                keep_base_outputs(plan, outputs)
     check = None
     if CONFIG.check_every and not isinstance(plan.runner, Program):
         plan.runs += 1

@@ -55,6 +55,8 @@ class CompiledCluster(torch.nn.Module):
         self.digest = text_hash(text)   # names the measured choice kept on disk (choices.py)
         self.decided = False          # compiled or eager chosen, measured here or by an earlier process
         self.run_at_once = False      # run even where the plan's calls are collected (driver/inflight.py)
+        # per output: the tensor it is written into at every call, or None (a new one each call): `keep_outputs`
+        self.kept: list | None = None
 
     def forward(self, *inputs):
         if self.eager_faster:
@@ -83,12 +85,31 @@ class CompiledCluster(torch.nn.Module):
         return not self.eager_faster and not CONFIG.check_every and (
             self.decided or not applies(CONFIG.measure, self.device))
 
+    def keep_outputs(self, indices) -> None:
+        """Outputs `indices` are written into the same tensors at every call from now on (none: a new one
+        each call again): the caller copies them elsewhere before the next call and keeps nothing of them
+        (a step's new values of the parameters and optimizer state, which go into their tensors at once),
+        and their imports into IREE are made once. On the CPU, for a cluster of static sizes."""
+        if not indices or self.prepare is not None or self.device.type != "cpu":
+            self.kept = None
+            return
+        kept = [None] * len(self.specs)
+        for i in indices:
+            shape, dtype = self.specs[i]
+            kept[i] = torch.empty(shape, dtype=dtype, device=self.device)
+        self.kept = kept
+
     def run_compiled(self, inputs) -> list:
         try:
             if self.prepare is None:
-                device = self.device
-                outs = results = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.specs]
-                self.compiled.run(inputs, outs)
+                device, kept = self.device, self.kept
+                if kept is None:
+                    outs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.specs]
+                else:
+                    outs = [t if t is not None else torch.empty(shape, dtype=dtype, device=device)
+                            for t, (shape, dtype) in zip(kept, self.specs)]
+                results = outs
+                self.compiled.run(inputs, outs, fresh=True)
             else:
                 arguments, outs, results = self.prepare(inputs)
                 self.compiled.run(arguments, outs)
