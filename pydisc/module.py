@@ -70,6 +70,8 @@ def _pre_hook(device: torch.device):
         inference.use_for_forward()     # F.linear and matmul recorded whole where no grad is recorded
         fast.arm(module._pydisc_fast_record, device, module)  # a forward with grad recorded at __torch_function__
         release_factory_mode()          # (no dispatch is under way here)
+        if not kwargs and all(type(a) is tensor for a in args):
+            return tuple([_lazy_input(a, device) for a in args]), kwargs    # (the common case, in short)
         return _lazy_input(args, device), _lazy_input(kwargs, device)
     return hook
 
@@ -77,7 +79,8 @@ def _pre_hook(device: torch.device):
 def _lazy_input(x, device: torch.device):
     if isinstance(x, torch.Tensor) and not isinstance(x, LazyTensor):
         marked = getattr(x, "_pydisc_dynamic", None)    # pydisc.mark_dynamic
-        x = x.to(device)
+        if x.device != device:
+            x = x.to(device)
         if x.storage_offset() != 0 or not x.is_contiguous() or \
                 x.untyped_storage().nbytes() != x.numel() * x.element_size():
             # a slice of a larger tensor (a batch of a dataset): copy it, so the step's input is the

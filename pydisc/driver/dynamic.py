@@ -79,18 +79,22 @@ def carried_dims(index: int, real: torch.Tensor) -> tuple:
 
 
 def _dynamic_dims(key, real: torch.Tensor) -> tuple:
-    dims = {d for d in ENGINE.dynamic.flagged.get(key, ()) if (key, d) not in ENGINE.dynamic.blocked}
+    state = ENGINE.dynamic
+    flagged = state.flagged.get(key)
+    if not flagged:
+        return ()       # (every step input of a model with no dynamic dims)
+    dims = {d for d in flagged if (key, d) not in state.blocked}
     pattern = _pattern(key, real, dims)
     if not pattern[2]:
         return ()       # sizes 0 and 1 are specialised: nothing to make symbolic in this input
     epoch = RECORDER.step_id
-    mode = ENGINE.dynamic.step_mode.get(epoch)
+    mode = state.step_mode.get(epoch)
     if mode is None:
         # the step's first dynamic input decides: symbolic unless a template covers its sizes
-        mode = ENGINE.dynamic.force_symbolic or pattern not in ENGINE.dynamic.covered
-        ENGINE.dynamic.step_mode.clear()
-        ENGINE.dynamic.step_mode[epoch] = mode
-        ENGINE.dynamic.force_symbolic = False
+        mode = state.force_symbolic or pattern not in state.covered
+        state.step_mode.clear()
+        state.step_mode[epoch] = mode
+        state.force_symbolic = False
     return tuple(sorted(dims)) if mode else ()
 
 

@@ -496,7 +496,7 @@ class Segment:
                 writes.append(storage)
             self._written_done()
             trace.entries.append(Entry(fused, enc_args, {}, tuple(out_vids), list, tuple(reads), tuple(writes),
-                                       tuple(sig), user_source(4)))
+                                       tuple(sig), user_source(4) if rec.capture_sources else None))
             trace.fused += 1
             METRICS.recorded_ops += 1
             for p, g in grads:
