@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import threading
-import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -35,7 +34,7 @@ class CompiledModule:
 
     __slots__ = (
         "name", "device", "vmfb", "staged_outputs",
-        "_session", "_context", "_function", "_import", "_import_output", "_cuda_index", "_on_cuda", "_views",
+        "_session", "_context", "_function", "_import", "_import_output", "_cuda_index", "_on_cuda",
     )
 
     def __init__(self, vmfb: bytes, session: DeviceSession, name: str) -> None:
@@ -64,13 +63,6 @@ class CompiledModule:
         # allocations on the CPU (zero-copy, ~2 us more per output than DLPack) and go through
         # IREE-allocated buffers, copied back, elsewhere.
         self.staged_outputs = False
-        # CPU: argument position -> (weak reference to the tensor, its data pointer, its sizes, its import):
-        # the tensors a step passes again (parameters, optimizer state, a cluster's kept outputs) are
-        # imported once (~2 us each per call otherwise). A tensor's import dies with the tensor: it is
-        # made from a detached twin, since an import of the tensor itself would keep it alive (torch keeps
-        # a tensor's Python object while its C++ tensor has other owners, so the weak reference would
-        # never die).
-        self._views: dict[int, tuple] | None = {} if not session.is_cuda else None
 
     def __repr__(self) -> str:
         return f"CompiledModule({self.name}, device={self.device}, staged_outputs={self.staged_outputs})"
@@ -119,9 +111,8 @@ class CompiledModule:
         args = ireert.VmVariantList(len(inputs) + len(outputs))
         out_ptrs = {o.untyped_storage().data_ptr() for o in outputs if o.numel()} if not fresh else ()
         on_cuda = self._on_cuda
-        views = self._views
         copied = False
-        for k, t in enumerate(inputs):
+        for t in inputs:
             if type(t) is int:          # an `index` argument (a dynamic size)
                 args.push_int(t)
                 continue
@@ -138,19 +129,11 @@ class CompiledModule:
                 t = dense_copy(t)  # IREE needs dense memory, and an input must not share an output's memory
                 copied = True
                 held.append(t)
-            elif views is not None:
-                args.push_ref(self._view(views, k, t, ptr))
-                continue
             args.push_ref(imp(to_dlpack(t)))
         copy_back: list = []
         staged = self.staged_outputs
-        if fresh and not staged and views is not None:
-            base = len(inputs)
-            for k, o in enumerate(outputs, base):
-                args.push_ref(self._view(views, k, o, o.data_ptr()))
-            return PreparedCall(self, args, len(outputs), copy_back, (inputs, outputs, held))
         for o in outputs:
-            if not is_dense(o):
+            if not fresh and not is_dense(o):
                 dense = dense_copy(o)
                 copy_back.append(_DenseOutput(o, dense))
                 o = dense
@@ -169,16 +152,6 @@ class CompiledModule:
             # (`run` synchronised before they were made): without this IREE can read them unfinished
             torch.cuda.current_stream(self._cuda_index).synchronize()
         return PreparedCall(self, args, len(outputs), copy_back, (inputs, outputs, held))
-
-    def _view(self, views: dict, k: int, t: torch.Tensor, ptr: int) -> ireert.HalBufferView:
-        """The import of dense tensor `t`, argument `k`: the one made for it at an earlier call where `t` is
-        the same tensor, with the same memory and sizes."""
-        found = views.get(k)
-        if found is not None and found[0]() is t and found[1] == ptr and found[2] == t.shape:
-            return found[3]
-        view = self._import(to_dlpack(t.detach()))
-        views[k] = (weakref.ref(t, _Forget(views, k)), ptr, t.shape, view)
-        return view
 
     def _execution_error(
         self, error: Exception, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]
@@ -281,22 +254,6 @@ class _HostImport:
         data = (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
         buffer = self._allocator.import_host_allocation(data, self._memory, self._usage)
         return ireert.HalBufferView(buffer, list(t.shape), element_type)
-
-
-class _Forget:
-    """A weak reference's callback: the import of argument `k` goes with its tensor (unless another
-    tensor's import took its place)."""
-
-    __slots__ = ("views", "k")
-
-    def __init__(self, views: dict, k: int) -> None:
-        self.views = views
-        self.k = k
-
-    def __call__(self, ref: weakref.ref) -> None:
-        found = self.views.get(self.k)
-        if found is not None and found[0] is ref:
-            del self.views[self.k]
 
 
 class _DenseOutput:

@@ -1,7 +1,4 @@
 """Running compiled modules on torch tensors: values, dtypes, zero-copy outputs, odd layouts, errors."""
-import gc
-import weakref
-
 import pytest
 import torch
 
@@ -236,33 +233,3 @@ def test_cuda_reads_pending_torch_writes():
         module.run([a, a], [out])
         assert torch.all(out == 6.0)
 
-
-def test_a_tensor_passed_again_is_imported_once_and_its_import_dies_with_it():
-    """CPU: the import of an argument is kept for the next call while the same tensor (same memory, same
-    sizes) comes again (parameters, optimizer state, a cluster's kept outputs); it reads the tensor's data at each call, and it
-    goes when the tensor does, without keeping the tensor's memory (an import of the tensor itself
-    would keep the tensor alive for good)."""
-    from pydisc.exec.compiled import CompiledModule
-    from pydisc.exec.session import session_for
-
-    cpu = torch.device("cpu")
-    module = CompiledModule(compile_module(binary("add", (64,), torch.float32), cpu).vmfb, session_for(cpu),
-                            name="views")
-    imports = []
-    real_import = module._import
-    module._import = lambda capsule: imports.append(1) or real_import(capsule)
-    a, out = torch.randn(64), torch.empty(64)
-    for i in range(3):
-        b = torch.full((64,), float(i))      # a new tensor at each call
-        module.run([a, b], [out], fresh=True)
-        assert torch.equal(out, a + b)
-        a.mul_(2)                            # written in place: the next call reads the new data
-    assert len(imports) == 1 + 3 + 1         # a once, each b, out (an output kept from call to call) once
-    gone = weakref.ref(a)
-    del a, b
-    gc.collect()
-    assert gone() is None
-    assert 0 not in module._views and 1 not in module._views
-    c = torch.randn(64)
-    module.run([c, c], [out])
-    assert torch.equal(out, c + c)
