@@ -452,6 +452,8 @@ def _scalars(values: list, device: torch.device) -> torch.Tensor:
     memory without waiting: a copy from pageable memory would synchronise the stream, and the next
     step's recording would no longer overlap this one's kernels."""
     host = torch.tensor(values, dtype=torch.float32)
+    if device.type == "cpu":
+        return host
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
