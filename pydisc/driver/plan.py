@@ -24,7 +24,6 @@ from ..config import CONFIG, applies
 from ..diagnostics import log, warn_once
 from ..exec import target_for
 from ..exec.clusters import CompiledCluster, CompiledRegion
-from .engine import ENGINE
 from ..exec.compiler import precompile
 from ..frontend import decompositions, fast, torch_mlir
 from ..frontend.emit import emit_cluster, size_function, unsupported_reason
@@ -34,6 +33,7 @@ from ..frontend.replay import Program, functional_graph
 from ..frontend.torch_mlir import note_rejection, op_key, torch_mlir_reason
 from ..frontend.trace import RealRef, ScalarRef, ValueRef
 from ..metrics import METRICS
+from .engine import ENGINE
 from .shape_log import record_cluster
 
 __all__ = ["StepPlan", "build_plan", "plan_graph"]

@@ -88,8 +88,8 @@ class CompiledCluster(torch.nn.Module):
     def keep_outputs(self, indices) -> None:
         """Outputs `indices` are written into the same tensors at every call from now on (none: a new one
         each call again): the caller copies them elsewhere before the next call and keeps nothing of them
-        (a step's new values of the parameters and optimizer state, which go into their tensors at once),
-        and their imports into IREE are made once. On the CPU, for a cluster of static sizes."""
+        (a step's new values of the parameters and optimizer state, which go into their tensors at once):
+        no allocation per call. On the CPU, for a cluster of static sizes."""
         if not indices or self.prepare is not None or self.device.type != "cpu":
             self.kept = None
             return
