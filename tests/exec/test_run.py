@@ -233,3 +233,15 @@ def test_cuda_reads_pending_torch_writes():
         module.run([a, a], [out])
         assert torch.all(out == 6.0)
 
+
+
+def test_every_module_a_cluster_holds_runs_with_the_same_arguments():
+    """A cluster calls `run` on whichever module it holds: IREE's runtime (`CompiledModule`) or, on CUDA,
+    the direct launcher (`DirectModule`). Both take the same arguments: a keyword argument added to one
+    alone made every CUDA step fall back to eager, which no CPU test ran into."""
+    import inspect
+
+    from pydisc.exec.compiled import CompiledModule
+    from pydisc.exec.direct.launcher import DirectModule
+
+    assert list(inspect.signature(DirectModule.run).parameters) == list(inspect.signature(CompiledModule.run).parameters)

@@ -234,7 +234,8 @@ class DirectModule:
 
     # -- per call ---------------------------------------------------------------------------------------
 
-    def run(self, inputs: Sequence, outputs: Sequence[torch.Tensor]) -> None:
+    def run(self, inputs: Sequence, outputs: Sequence[torch.Tensor], fresh: bool = False) -> None:
+        """As `CompiledModule.run`: `fresh`, the outputs are dense and share no input's memory."""
         buffers = [*inputs, *outputs]
         if len(buffers) != self.schedule.arguments:
             raise ExecutionError("@main of %s takes %d arguments (inputs and outputs), got %d inputs and %d "
@@ -243,7 +244,7 @@ class DirectModule:
                                  function=self.name + ".main")
         reads = self.schedule.reads
         key = tuple(buffers[p] if d < 0 else buffers[p].shape[d] for p, d in reads) if reads else ()
-        out_ptrs = {o.untyped_storage().data_ptr() for o in outputs if o.numel()}
+        out_ptrs = {o.untyped_storage().data_ptr() for o in outputs if o.numel()} if not fresh else ()
         pointers = []
         written = self._written
         for t in inputs:
