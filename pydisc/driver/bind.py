@@ -153,14 +153,15 @@ def _write_inputs(trace: Trace, indices: list[int], vals: list[torch.Tensor], co
         trace.storage_versions[i] = real._version
 
 
-def worker_copies(trace: Trace, outputs: tuple, results: list[torch.Tensor], perm) -> tuple | None:
+def worker_copies(trace: Trace, outputs: tuple, results: list[torch.Tensor], perm, flat: dict) -> tuple | None:
     """For a step run on the worker (inflight.py): the copies of its new values of the input storages it
     writes (parameters, optimizer state) into their device data, which the worker makes once the step's
     calls have run, rather than the main thread at the wait (`bind(copied=True)`). `results`: the
     runner's output tensors, not filled yet; `perm`, a template's order of them. (destinations,
     sources), through `.data` aliases, whose version counters are their own: the recording thread
     notes the inputs' versions meanwhile. None where some copy is not plain (a value that is an input's
-    memory or not dense): `bind` makes them."""
+    memory or not dense): `bind` makes them. `flat`: the flat tensors the outputs a plan keeps view
+    (`plan.keep_base_outputs`), by id: {id(output): (output, flat)}."""
     pairs = [(trace.input_storages[index].real, results[perm[k] if perm is not None else k])
              for k, (kind, index) in enumerate(outputs) if kind == "base"]
     if not pairs:
@@ -171,7 +172,11 @@ def worker_copies(trace: Trace, outputs: tuple, results: list[torch.Tensor], per
         if val.untyped_storage().data_ptr() in reals or not val.is_contiguous() or val.numel() != real.numel():
             return None
         dsts.append(real.data)
-        srcs.append(val if val.dim() == 1 else val.view(-1))      # (an input storage's data is flat)
+        found = flat.get(id(val))
+        if found is not None and found[0] is val:
+            srcs.append(found[1])
+        else:
+            srcs.append(val if val.dim() == 1 else val.view(-1))      # (an input storage's data is flat)
     return dsts, srcs
 
 

@@ -55,6 +55,7 @@ class StepPlan:
     value_check: bool = False                             # its last result: a value eager raises on (cluster/value_checks.py)
     fused_forwards: int = 0                               # forwards in it the fast recorder recorded (FusedStep entries)
     kept_outputs: Any = None                              # [(cluster, its outputs kept)], once worked out (`keep_base_outputs`)
+    flat_outputs: dict = field(default_factory=dict)      # while it keeps them: {id(output): (output, the flat tensor it views)}
 
 
 def keep_base_outputs(plan: StepPlan, outputs: tuple) -> None:
@@ -72,8 +73,12 @@ def keep_base_outputs(plan: StepPlan, outputs: tuple) -> None:
     if ENGINE.keeping is not None:
         for cluster, _ in ENGINE.keeping.kept_outputs:
             cluster.keep_outputs(())
+        ENGINE.keeping.flat_outputs = {}
     for cluster, indices in plan.kept_outputs:
         cluster.keep_outputs(indices)
+        if cluster.kept is not None:
+            for out, flat in zip([cluster.kept[i] for i in indices], cluster.kept_flat):
+                plan.flat_outputs[id(out)] = (out, flat)
     ENGINE.keeping = plan
 
 

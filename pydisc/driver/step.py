@@ -390,8 +390,11 @@ def _defer(plan: StepPlan, trace: Trace, executed: list[int], outputs: tuple, in
                 return copy
             return t
 
-        call_inputs = [own(t) for t in call_inputs]
-        inputs = [own(t) for t in inputs]
+        if call_inputs is inputs:       # (a concrete plan's)
+            inputs = call_inputs = [own(t) for t in inputs]
+        else:
+            call_inputs = [own(t) for t in call_inputs]
+            inputs = [own(t) for t in inputs]
     calls: list = []
     try:
         with collecting_calls(calls):
@@ -399,7 +402,7 @@ def _defer(plan: StepPlan, trace: Trace, executed: list[int], outputs: tuple, in
     except Exception:
         return False
     notes = optimizer_state.taken()
-    copies = worker_copies(trace, outputs, pending, perm)
+    copies = worker_copies(trace, outputs, pending, perm, plan.flat_outputs)
     copied = []
 
     def job():
