@@ -76,9 +76,9 @@ def keep_base_outputs(plan: StepPlan, outputs: tuple) -> None:
         ENGINE.keeping.flat_outputs = {}
     for cluster, indices in plan.kept_outputs:
         cluster.keep_outputs(indices)
-        if cluster.kept is not None:
-            for out, flat in zip([cluster.kept[i] for i in indices], cluster.kept_flat):
-                plan.flat_outputs[id(out)] = (out, flat)
+        for out in cluster.kept or ():
+            if out is not None:
+                plan.flat_outputs[id(out)] = (out, out._base)
     ENGINE.keeping = plan
 
 

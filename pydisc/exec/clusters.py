@@ -57,7 +57,6 @@ class CompiledCluster(torch.nn.Module):
         self.run_at_once = False      # run even where the plan's calls are collected (driver/inflight.py)
         # per output: the tensor it is written into at every call, or None (a new one each call): `keep_outputs`
         self.kept: list | None = None
-        self.kept_flat: list = []       # the flat tensors they view
 
     def forward(self, *inputs):
         if self.eager_faster:
@@ -92,17 +91,14 @@ class CompiledCluster(torch.nn.Module):
         (a step's new values of the parameters and optimizer state, which go into their tensors at once):
         no allocation per call. On the CPU, for a cluster of static sizes."""
         if not indices or self.prepare is not None or self.device.type != "cpu":
-            self.kept, self.kept_flat = None, []
+            self.kept = None
             return
         kept = [None] * len(self.specs)
-        flat = []
         for i in indices:
             shape, dtype = self.specs[i]
-            # a view of a flat tensor, which a copy into a flat storage takes as it is (`bind.worker_copies`)
-            flat.append(torch.empty(math.prod(shape), dtype=dtype, device=self.device))
-            kept[i] = flat[-1].view(shape)
+            # a view of a flat tensor (its `_base`), which a copy into a flat storage takes as it is
+            kept[i] = torch.empty(math.prod(shape), dtype=dtype, device=self.device).view(shape)
         self.kept = kept
-        self.kept_flat = flat
 
     def run_compiled(self, inputs) -> list:
         try:

@@ -1,8 +1,13 @@
 """Running compiled modules on torch tensors: values, dtypes, zero-copy outputs, odd layouts, errors."""
+import inspect
+
 import pytest
 import torch
 
 from pydisc.exec import ExecutionError, compile_module
+from pydisc.exec.compiled import CompiledModule
+from pydisc.exec.direct.launcher import DirectModule
+from pydisc.exec.session import session_for
 
 MLIR_TYPES = {
     torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
@@ -154,9 +159,6 @@ def test_identity_and_constant_results(device):
 def test_outputs_iree_cannot_write_in_place_are_staged():
     """Without the host-allocation import, the outputs go through IREE-allocated buffers and are
     copied back."""
-    from pydisc.exec.compiled import CompiledModule
-    from pydisc.exec.session import session_for
-
     cpu = torch.device("cpu")
     # a module of its own: the cached one is shared with other tests
     module = CompiledModule(compile_module(_IDENTITY_CONSTANT_PRODUCT, cpu).vmfb, session_for(cpu), name="staged")
@@ -239,9 +241,4 @@ def test_every_module_a_cluster_holds_runs_with_the_same_arguments():
     """A cluster calls `run` on whichever module it holds: IREE's runtime (`CompiledModule`) or, on CUDA,
     the direct launcher (`DirectModule`). Both take the same arguments: a keyword argument added to one
     alone made every CUDA step fall back to eager, which no CPU test ran into."""
-    import inspect
-
-    from pydisc.exec.compiled import CompiledModule
-    from pydisc.exec.direct.launcher import DirectModule
-
     assert list(inspect.signature(DirectModule.run).parameters) == list(inspect.signature(CompiledModule.run).parameters)
