@@ -4,6 +4,8 @@ the run gets a view of its new device data (`bind`); the tensors of a symbolic s
 """
 from __future__ import annotations
 
+from operator import is_
+
 import torch
 from torch.autograd.graph import increment_version
 
@@ -153,30 +155,44 @@ def _write_inputs(trace: Trace, indices: list[int], vals: list[torch.Tensor], co
         trace.storage_versions[i] = real._version
 
 
-def worker_copies(trace: Trace, outputs: tuple, results: list[torch.Tensor], perm, flat: dict) -> tuple | None:
+def worker_copies(trace: Trace, outputs: tuple, results: list[torch.Tensor], perm, plan) -> tuple | None:
     """For a step run on the worker (inflight.py): the copies of its new values of the input storages it
     writes (parameters, optimizer state) into their device data, which the worker makes once the step's
     calls have run, rather than the main thread at the wait (`bind(copied=True)`). `results`: the
     runner's output tensors, not filled yet; `perm`, a template's order of them. (destinations,
     sources), through `.data` aliases, whose version counters are their own: the recording thread
     notes the inputs' versions meanwhile. None where some copy is not plain (a value that is an input's
-    memory or not dense): `bind` makes them. `flat`: the flat tensors the outputs a plan keeps view
-    (`plan.keep_base_outputs`), by id: {id(output): (output, flat)}."""
-    pairs = [(trace.input_storages[index].real, results[perm[k] if perm is not None else k])
-             for k, (kind, index) in enumerate(outputs) if kind == "base"]
-    if not pairs:
+    memory or not dense): `bind` makes them.
+
+    `plan.flat_outputs`: the flat tensors that the outputs the plan keeps view (`plan.keep_base_outputs`),
+    by id: {id(output): (output, flat)}. Where every source is one of them, the same kept outputs are the
+    sources at the plan's next steps: their checks and flat tensors are worked out once, kept in
+    `plan.copies` (which the plan lets go of with its kept outputs; it holds nothing of the parameters)."""
+    reals = [trace.input_storages[index].real for kind, index in outputs if kind == "base"]
+    if not reals:
         return None
-    reals = {real.data_ptr() for real, _ in pairs}      # (an input storage's data: a flat tensor at offset 0)
+    vals = [results[perm[k] if perm is not None else k] for k, (kind, _) in enumerate(outputs) if kind == "base"]
+    memo = plan.copies
+    if memo is not None and len(memo[0]) == len(vals) and all(map(is_, vals, memo[0])):
+        # (the plan's key holds its input storages' sizes: each still has its source's size; and a kept
+        # output is memory of the plan's own, never an input's)
+        return [real.data for real in reals], memo[1]
+    ptrs = {real.data_ptr() for real in reals}      # (an input storage's data: a flat tensor at offset 0)
+    flat = plan.flat_outputs
     dsts, srcs = [], []
-    for real, val in pairs:
-        if val.untyped_storage().data_ptr() in reals or not val.is_contiguous() or val.numel() != real.numel():
+    kept = 0
+    for real, val in zip(reals, vals):
+        if val.untyped_storage().data_ptr() in ptrs or not val.is_contiguous() or val.numel() != real.numel():
             return None
         dsts.append(real.data)
         found = flat.get(id(val))
         if found is not None and found[0] is val:
             srcs.append(found[1])
+            kept += 1
         else:
             srcs.append(val if val.dim() == 1 else val.view(-1))      # (an input storage's data is flat)
+    if kept == len(vals):
+        plan.copies = (vals, srcs)
     return dsts, srcs
 
 

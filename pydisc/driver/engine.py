@@ -112,6 +112,7 @@ class Engine:
         self.intervals: dict[str, float] = {}    # holder -> the switch interval it asked for
         self.saved_interval: float | None = None  # the process's own, while some holder is there
         self.keeping = None                      # the plan whose clusters keep their outputs (plan.keep_base_outputs)
+        self.scalars: tuple | None = None        # (values, device, tensor): the last step's lifted scalars (step.py)
 
     # ---- the step mode the recorder reads ------------------------------------------------------
     @staticmethod
@@ -164,6 +165,7 @@ class Engine:
         self.restore_interval()
         graphs.release_memory()
         self.keeping = None
+        self.scalars = None
         self.plans.clear()
         self.seen_ops.clear()
         self.sightings.clear()

@@ -402,7 +402,7 @@ def _defer(plan: StepPlan, trace: Trace, executed: list[int], outputs: tuple, in
     except Exception:
         return False
     notes = optimizer_state.taken()
-    copies = worker_copies(trace, outputs, pending, perm, plan.flat_outputs)
+    copies = worker_copies(trace, outputs, pending, perm, plan)
     copied = []
 
     def job():
@@ -451,12 +451,20 @@ def _defer(plan: StepPlan, trace: Trace, executed: list[int], outputs: tuple, in
 
 
 def _scalars(values: list, device: torch.device) -> torch.Tensor:
-    """The step's lifted Python scalars as one float32 tensor on `device`. To a GPU through pinned
-    memory without waiting: a copy from pageable memory would synchronise the stream, and the next
-    step's recording would no longer overlap this one's kernels."""
+    """The step's lifted Python scalars as one float32 tensor on `device`: the last step's tensor where the
+    values are the same (an SGD step's learning rate and momentum; no step writes it, the plans only read
+    it), else a new one. To a GPU through pinned memory without waiting: a copy from pageable memory
+    would synchronise the stream, and the next step's recording would no longer overlap this one's kernels."""
+    last = ENGINE.scalars
+    # (a zero is made anew: 0.0 == -0.0, and the sign of a zero can reach a result)
+    if last is not None and last[0] == values and last[1] == device and 0 not in values:
+        return last[2]
     host = torch.tensor(values, dtype=torch.float32)
     if device.type == "cpu":
-        return host
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+        out = host
+    elif device.type != "cuda":
+        out = host.to(device)
+    else:
+        out = host.pin_memory().to(device, non_blocking=True)
+    ENGINE.scalars = (list(values), device, out)
+    return out

@@ -183,6 +183,16 @@ def test_scalars_are_lifted_so_changing_values_reuse_the_plan():
     assert_same(x, expected)
 
 
+def test_steps_read_their_own_lifted_values_where_the_last_ones_repeat():
+    # a step whose lifted values equal the last step's reads the same tensor; a zero is made anew, since
+    # 0.0 == -0.0 and its sign reaches the result
+    x = lazy(torch.ones(4))
+    for s in (0.5, 0.5, 0.25, 0.25, 0.0, -0.0, -0.0, 0.0, 0.5):
+        y = 1 / (x * s)
+        pydisc.mark_step()
+        assert torch.equal(y.cpu(), 1 / (torch.ones(4) * s)), s
+
+
 def test_save_load_and_deepcopy():
     import copy
     p = torch.nn.Parameter(lazy(torch.randn(3)))
