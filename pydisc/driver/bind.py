@@ -43,27 +43,20 @@ def bind(trace: Trace, outputs: tuple, results: list[torch.Tensor], executed: li
     # storage -> the result that is all of its data in the recorded layout: a tensor of that layout
     # binds to it as is, rather than to a new view
     whole: dict[int, torch.Tensor] = {}
+    # Where all ran, a result is given to its storage only when a live tensor of the step views it (below):
+    # most of a training step's (the gradients, once `zero_grad` dropped them; a loss nobody kept) are dead
+    # by the time a step run on the worker is bound. id(storage) -> (storage, value index, result).
+    later: dict[int, tuple] = {}
     for (kind, index), val in zip(outputs, results):
         if kind == "base":
             written.append(index)
             storage = trace.input_storages[index]
         else:
             storage = trace.storages[index]
-            size, stride, offset, dtype = trace.metas[index]
-            if val.is_contiguous() and val.storage_offset() == 0 and val.stride() == stride and \
-                    val.shape == size and val.untyped_storage().nbytes() == val.numel() * val.element_size():
-                # (the common case, `_as_layout` and `is_whole` inlined: a result of the recorded layout
-                # that is all of its storage)
-                storage.real = val.detach().view(-1)
-                whole[id(storage)] = val
+            if remaining:
+                _give_result(storage, trace.metas[index], val, whole)
             else:
-                laid = _as_layout(val, size, stride)
-                if is_whole(laid):
-                    storage.real = laid.detach().view(-1)     # (flat_base, known whole)
-                    if laid is val:
-                        whole[id(storage)] = val
-                else:
-                    storage.real = flat_base(laid)
+                later[id(storage)] = (storage, index, val)
         touched.append(storage)
     if written:
         _write_inputs(trace, written, [val for (kind, _), val in zip(outputs, results) if kind == "base"], copied)
@@ -71,13 +64,19 @@ def bind(trace: Trace, outputs: tuple, results: list[torch.Tensor], executed: li
         # everything ran: every tensor made in this trace views its storage's new data (the storages
         # of the step's inputs were written in place, so their tensors' views stay valid)
         values = trace.values
+        metas = trace.metas
         symbolic = []
         for vid, ref in trace.tensors.items():
             t = ref()
             if t is None:
                 continue
-            if (values[vid][0] == "out" or t._real is None) and t._storage.real is not None:
-                t._real = _bound(t, whole)
+            if values[vid][0] == "out" or t._real is None:
+                storage = t._storage
+                found = later.pop(id(storage), None) if later else None
+                if found is not None:
+                    _give_result(storage, metas[found[1]], found[2], whole)
+                if storage.real is not None:
+                    t._real = _bound(t, whole)
             if t._concrete is not None and trace.symbolic is not None and t._real is not None:
                 symbolic.append(t)
         trace.release()
@@ -119,6 +118,26 @@ def bind(trace: Trace, outputs: tuple, results: list[torch.Tensor], executed: li
     for e in trace.entries:
         for s in e.writes:
             s.written = True
+
+
+def _give_result(storage: LazyStorage, meta: tuple, val: torch.Tensor, whole: dict) -> None:
+    """`storage` holds `val` (a result of the run, of the recorded (size, stride, offset, dtype) `meta`) as
+    its flat device data from now on; noted in `whole` where `val` is all of it in the recorded layout."""
+    size, stride = meta[0], meta[1]
+    if val.is_contiguous() and val.storage_offset() == 0 and val.stride() == stride and \
+            val.shape == size and val.untyped_storage().nbytes() == val.numel() * val.element_size():
+        # (the common case, `_as_layout` and `is_whole` inlined: a result of the recorded layout that is
+        # all of its storage)
+        storage.real = val.detach().view(-1)
+        whole[id(storage)] = val
+        return
+    laid = _as_layout(val, size, stride)
+    if is_whole(laid):
+        storage.real = laid.detach().view(-1)     # (flat_base, known whole)
+        if laid is val:
+            whole[id(storage)] = val
+    else:
+        storage.real = flat_base(laid)
 
 
 def _bound(t: LazyTensor, whole: dict) -> torch.Tensor:

@@ -423,7 +423,8 @@ def _defer(plan: StepPlan, trace: Trace, executed: list[int], outputs: tuple, in
             current = RECORDER.trace
             versions = input_versions(current)
             try:
-                if error is None and not plan.value_check:
+                if error is None and not (plan.value_check and bool(results[-1])):
+                    # (no torch op runs: the results are the plan's; a value check's flag is 0)
                     out, ran = _outcome(plan, produce, trace, executed, outputs, inputs, perm, key, device, None)
                 else:
                     # torch may run the step's ops here (a failed run, a refused value): as at its mark_step,
