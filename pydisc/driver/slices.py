@@ -85,37 +85,40 @@ def observable_entries(trace: Trace, held: set[int] | None = None) -> list[int]:
 def select_outputs(trace: Trace, executed: list[int], remaining: list[int]) -> tuple:
     """Storages whose data must exist after running `executed`: inputs they write (written back), and
     storages they create that a live tensor or a remaining entry still uses."""
-    remaining_reads = set()
+    needed = set()          # ids of the storages a live tensor or a remaining entry uses
     for i in remaining:
-        remaining_reads |= {id(s) for s in trace.entries[i].reads}
-    alive_storages = set()
-    for vid, ref in trace.tensors.items():
+        needed.update([id(s) for s in trace.entries[i].reads])
+    for ref in trace.tensors.values():
         t = ref()
         if t is not None:
-            alive_storages.add(id(t._storage))
+            needed.add(id(t._storage))
     outputs = []
     written_inputs = set()
+    epoch = trace.epoch
+    storages = trace.storages
+    entries = trace.entries
     for i in executed:
-        e = trace.entries[i]
+        e = entries[i]
         for s in e.writes:
-            if s.input_index >= 0 and s.epoch == trace.epoch:
+            if s.input_index >= 0 and s.epoch == epoch:
                 written_inputs.add(s.input_index)
         for vid in e.out_vids:
             if vid is None:
                 continue
-            s = trace.storages[vid]
-            if s.creator == vid and (id(s) in alive_storages or id(s) in remaining_reads):
+            s = storages[vid]
+            if s.creator == vid and id(s) in needed:
                 outputs.append(("value", vid))
-    return tuple(("base", i) for i in sorted(written_inputs)) + tuple(outputs)
+    return tuple([("base", i) for i in sorted(written_inputs)] + outputs)
 
 
 def concrete_key(trace: Trace, executed: list[int], outputs: tuple) -> tuple:
     """What a plan for the executed entries depends on: inputs' metadata, ops, constants, outputs."""
+    entries = trace.entries
     return (
-        tuple((t.numel(), t.dtype, t.device) for t in trace.storage_inputs),
-        tuple((tuple(t.shape), t.stride(), t.dtype, t.device) for t in trace.real_inputs),
-        tuple(v for v in trace.values if v[0] == "in"),
-        tuple(trace.entries[i].sig for i in executed),
+        tuple([(t.numel(), t.dtype, t.device) for t in trace.storage_inputs]),
+        tuple([(tuple(t.shape), t.stride(), t.dtype, t.device) for t in trace.real_inputs]),
+        tuple([v for v in trace.values if v[0] == "in"]),
+        tuple([entries[i].sig for i in executed]),
         len(trace.scalars),
         outputs,
     )
