@@ -94,6 +94,40 @@ def test_training_equals_eager_and_the_synchronous_run(fresh, monkeypatch):
     _with_and_without_worker(monkeypatch, train)
 
 
+def test_results_held_when_a_step_is_bound_one_step_late_get_their_values(fresh, monkeypatch):
+    """A step run on the worker is bound after the next one recorded, when most of its results are dropped
+    (`zero_grad` let go of its gradients): the gradients a loop set aside before `zero_grad` (every other
+    step's) and all its losses get their values, eager's, with and without the worker."""
+    def train():
+        eager, eager_opt, lazy, lazy_opt = _pair()
+        losses, want, kept, want_grads = [], [], [], []
+        for i, (x, y) in enumerate(_batches(STEPS)):
+            loss = F.cross_entropy(eager(x), y)
+            loss.backward()
+            if i % 2:
+                want_grads.append([p.grad.clone() for p in eager.parameters()])
+            eager_opt.step()
+            eager_opt.zero_grad()
+            want.append(loss.item())
+            got = F.cross_entropy(lazy(x), y)
+            got.backward()
+            if i % 2:
+                kept.append([p.grad for p in lazy.parameters()])
+            lazy_opt.step()
+            lazy_opt.zero_grad()
+            pydisc.mark_step()
+            losses.append(got)
+        losses = [loss.item() for loss in losses]
+        assert len(kept) == STEPS // 2
+        for grads, expected in zip(kept, want_grads):
+            for g, w in zip(grads, expected):
+                assert pydisc.is_lazy(g)
+                torch.testing.assert_close(g.cpu(), w, rtol=1e-5, atol=1e-6)
+        return losses, want, lazy, eager
+
+    _with_and_without_worker(monkeypatch, train)
+
+
 def test_a_step_with_dropout_runs_on_the_worker_and_draws_eagers_numbers(fresh, monkeypatch):
     """Dropout's masks are drawn by torch inside the step, into tensors a cluster makes: that cluster and the
     draws run on the main thread at mark_step, the rest of the step on the worker. The numbers drawn are
