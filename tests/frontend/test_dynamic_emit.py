@@ -550,6 +550,26 @@ def test_split_reduction_of_an_input_that_carries_only_the_product(compiles: lis
     assert plan.clusters == 2
 
 
+def test_a_size_read_from_an_input_dim_that_is_it_plus_a_constant(compiles: list[str]) -> None:
+    # HF generate() on CUDA: a cluster gets the attention mask one column longer, [2, s + 1], made by an
+    # op torch runs, and takes its last column: the slice starts at s, which the cluster reads as that
+    # dim - 1 rather than failing to lower (its ops ran eagerly)
+    def fn(m: torch.Tensor) -> torch.Tensor:
+        longer = torch.sort(torch.cat([m, m[:, :1]], 1), dim=-1).values     # sort stays eager
+        return longer[:, -1:] * 2 + longer[:, 1:].sum(1, keepdim=True)
+
+    variants = [[torch.randn(2, s)] for s in (6, 3, 9)]
+    check_sizes(fn, variants[0], {0: (1,)}, variants, compiles, eager=["aten.sort.default"])
+
+    # ... and from [2, 2s + 1]: s is (dim - 1) // 2
+    def twice(m: torch.Tensor) -> torch.Tensor:
+        longer = torch.sort(torch.cat([m, m, m[:, :1]], 1), dim=-1).values
+        return longer[:, -1:] * 2 + longer[:, 1:].sum(1, keepdim=True)
+
+    compiles.clear()
+    check_sizes(twice, variants[0], {0: (1,)}, variants, compiles, eager=["aten.sort.default"])
+
+
 def test_concatenation_with_an_empty_piece(compiles: list[str]) -> None:
     # partial rotary embeddings that cover the whole head (Phi-3): `cat((rotated, x[..., 8:]), -1)` with an
     # empty pass-through; IREE's CPU code failed on the empty piece of a dynamic concatenation ("offset 3

@@ -244,6 +244,17 @@ class SizeBindings:
                     expr = expr.subs(part, symfn.FloorDiv(stand_in, int(factor)))
             missing = expr.free_symbols - self.leaves.keys()
         if missing:
+            # a symbol from a dim that is it times a number plus a constant: `s0` from an input of `s0 + 1`
+            # (an attention mask one column longer) is that dim - 1; from `2*s0 + 1`, (dim - 1) // 2, exactly
+            for compound, stand_in in self._compound.items():
+                constant, term = compound.as_coeff_Add()
+                factor, part = term.as_coeff_Mul()
+                if constant.is_Integer and constant != 0 and factor.is_Integer and factor > 0 and \
+                        part.is_Symbol and part in missing:
+                    shifted = stand_in - int(constant)
+                    expr = expr.subs(part, shifted if factor == 1 else symfn.FloorDiv(shifted, int(factor)))
+                    missing = expr.free_symbols - self.leaves.keys()
+        if missing:
             raise UnboundSizeError(
                 f"size {size} needs {', '.join(sorted(map(str, missing)))}, which no tensor input of the "
                 "cluster has as a dim"
