@@ -15,6 +15,7 @@ from .diagnostics import PydiscWarning
 from .config import CONFIG
 from .driver import background, inflight, step_choice
 from .driver.dynamic import mark_dynamic
+from .driver.engine import ENGINE
 from .driver.step import clear_plans
 from .exec import clear_cache
 from .frontend import fast
@@ -56,6 +57,7 @@ def mark_step() -> None:
     """Run everything recorded since the last mark. Afterwards every live lazy tensor holds device
     data and the recorded graph is dropped. A no-op when nothing is pending."""
     METRICS.mark_steps += 1
+    ENGINE.note_thread()
     if RECORDER.released and not RECORDER.trace.entries and not background.pending() and \
             not step_choice.measuring():
         return      # steps run eagerly now (pydisc/driver/step_choice.py): nothing was recorded
@@ -82,6 +84,7 @@ def wait_for_compiles() -> None:
 def to_lazy(t):
     """`t` (a tensor, or a list/tuple/dict of them) as lazy tensors on the same device, without a
     copy: inputs of the step, like the arguments of a `pydisc.lazy` module."""
+    ENGINE.note_thread()
     if RECORDER.released:
         return t    # steps run eagerly now (pydisc/driver/step_choice.py): inputs stay plain, as the module's do
     release_factory_mode()

@@ -57,6 +57,7 @@ def _pre_hook(device: torch.device):
     tensor = torch.Tensor
 
     def hook(module, args, kwargs):
+        ENGINE.note_thread()            # (before the check: step_choice.py may release under the recorder's lock)
         if RECORDER.released:       # steps run eagerly from now on (pydisc/driver/step_choice.py)
             if not kwargs:
                 for a in args:

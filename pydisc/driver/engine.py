@@ -17,6 +17,7 @@ The modules keep their logic; their state is `ENGINE`'s attributes.
 from __future__ import annotations
 
 import sys
+import threading
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ from ..exec import graphs
 from ..frontend.lazy_tensor import RECORDER
 
 __all__ = ["ENGINE", "ChoiceState", "DynamicState", "Engine"]
+
+_thread = threading.get_ident
 
 
 @dataclass
@@ -81,6 +84,10 @@ class ChoiceState:
         self.window_keys: set = set()      # the plans the compiled windows ran
         self.rechecks = 0
         self.again = ""            # why the windows are timed again, for the report
+        # the thread that drives the steps (lazy modules' forwards, mark_step, to_lazy), and whether another
+        # one did too: then nothing is measured (`Engine.note_thread`)
+        self.thread: int | None = None
+        self.several_threads = False
 
 
 @dataclass
@@ -194,6 +201,22 @@ class Engine:
         if self._scope_step != RECORDER.step_id:
             self._scope_step = RECORDER.step_id
             self._scope = weakref.ref(module)     # (not kept alive by it)
+
+    def note_thread(self) -> None:
+        """A lazy module's forward, `mark_step` or `to_lazy` on this thread. The whole-step choice swaps
+        every lazy tensor of the process for a plain one and back (step_choice.py), which a step that
+        another thread is recording at that moment cannot survive (its autograd graph holds the tensors
+        swapped). Once a second thread drives steps, nothing is released: the note is taken under the
+        recorder's lock, which `mark_step` holds while it measures, so a thread's first forward comes
+        either before a release (and none happens) or after it (and finds its tensors plain)."""
+        c = self.choice
+        me = _thread()
+        if me != c.thread and not c.several_threads:
+            with RECORDER.lock:
+                if c.thread is None:
+                    c.thread = me
+                elif me != c.thread:
+                    c.several_threads = True
 
     def reset_dynamic(self) -> None:
         """Forget the templates and the dims flagged dynamic: the next steps are static until sizes vary."""

@@ -9,8 +9,8 @@ are watched on the CPU and timed again when their time drifts by `DRIFT`. Before
 one plain eager step against the recording of the step before: recording `RECORDING_BOUND` times as
 slow keeps eager at once, without compiling. Runs that reads forced between two mark_steps count with
 the mark's run as one step. `PYDISC_STEP_CHOICE`: `all` (default), `cuda`, `cpu` or `off`; not in a
-torch.distributed process group. The policy and what it measured: docs/gpu.md ("Whole steps are
-compared too").
+torch.distributed process group, nor where several threads drive steps (`_several_threads`). The policy
+and what it measured: docs/gpu.md ("Whole steps are compared too").
 """
 from __future__ import annotations
 
@@ -85,6 +85,9 @@ def after_mark_step(key, cached: bool, device: torch.device | None, recorded: fl
     recorder recorded its forward, `off_path` whether it was recorded op by op only because its input
     sizes were new (dynamic.py: the steps of sizes seen before record fast)."""
     s = ENGINE.choice
+    if s.several_threads and not (s.phase == "decided" and s.kept_compiled is None):
+        _several_threads(s)
+        return
     through, s.through = s.through, _background_passthrough()
     if s.reads is not None:
         # runs that reads forced since the last mark_step count with its own: one step from mark_step
@@ -332,7 +335,26 @@ def _watch(s: ChoiceState, key) -> None:
         s.window_keys = set()
 
 
-def _keep_eager(s: ChoiceState, why: str, plain_before: int = 0) -> None:
+def _several_threads(s: ChoiceState) -> None:
+    """Steps are driven from several threads (each training its own model, or one recording while another
+    marks): releasing the lazy tensors for timed eager steps, or making them lazy again, would swap
+    tensors under another thread's step (`Engine.note_thread`). Compiled steps are kept, unmeasured; where
+    tensors are released at the moment (the probe, an eager window), eager is kept instead, without
+    walking the process's objects again (that would release the tensors of a step under way): lazy
+    tensors made since pass their ops through to torch."""
+    if s.probe is not None or s.released is not None:
+        s.probe = None
+        s.phase = "decided"
+        METRICS.step_choice = "timed eager steps were running when a second thread drove steps -> eager"
+        _keep_eager(s, "a second thread drove steps while the lazy tensors were released for timed eager "
+                    "steps, which cannot be made lazy again under its step", walk=False)
+        return
+    s.phase, s.kept_compiled = "decided", None
+    METRICS.step_choice = "not measured: steps are driven from several threads -> compiled"
+    log("plans", "step choice: %s", METRICS.step_choice)
+
+
+def _keep_eager(s: ChoiceState, why: str, plain_before: int = 0, walk: bool = True) -> None:
     """Pass-through for the rest of the process, every lazy tensor that can be released made plain
     (`plain_before`: how many are plain already, besides what the probe or an eager window released).
 
@@ -341,7 +363,7 @@ def _keep_eager(s: ChoiceState, why: str, plain_before: int = 0) -> None:
     host) finds nothing new, unless a tensor it could not release is still alive (the step before's loss,
     with its autograd history, usually is not by then)."""
     released_before, s.released = s.released, None
-    walk = released_before is None or any(ref() is not None for ref in s.kept)
+    walk = walk and (released_before is None or any(ref() is not None for ref in s.kept))
     if walk and released_before is not None:
         # a tensor it kept may be cyclic garbage not collected yet (the recorder pauses the cyclic
         # collector while a step records): collecting is cheaper than walking every object again

@@ -86,11 +86,16 @@ def arm(module_choice: bool | None = None, device: torch.device | None = None,
         return
     if not FAST.installed:
         install(default=False)
-    _handler_on()
-    if FAST.segment is None and grad:
-        FAST.armed = True
-        FAST.armed_by = (module, module.training) if module is not None else None
-        FAST.owner = threading.get_ident()
+    me = _thread()
+    with FAST.lock:
+        owner = FAST.owner
+        if owner is not None and owner != me and (FAST.segment is not None or FAST.armed):
+            return      # another thread's forward is recorded fast: this one's calls take the dispatcher's path
+        _handler_on()
+        if FAST.segment is None and grad:
+            FAST.owner = me         # (an idle owner, after a demoted segment, is taken over)
+            FAST.armed = True
+            FAST.armed_by = (module, module.training) if module is not None else None
 
 
 def refuse(reason: str) -> None:
@@ -234,16 +239,21 @@ def _set_data(t: LazyTensor, value):
 
 def flush() -> None:
     """At mark_step: the open segment (a forward with no backward) becomes an entry of the trace."""
-    seg = FAST.segment
-    if (seg is not None or FAST.armed) and FAST.owner != threading.get_ident():
+    me = _thread()
+    owner = FAST.owner
+    if owner == me:
+        seg = FAST.segment
+        if seg is not None:
+            with _NO_SUBCLASS():
+                try:
+                    seg.close(None)
+                except Demote as exc:
+                    seg.demote(str(exc))
+    elif owner is not None:
         return          # another thread's forward is being recorded: it ends with its own backward or mark
-    if seg is not None:
-        with _NO_SUBCLASS():
-            try:
-                seg.close(None)
-            except Demote as exc:
-                seg.demote(str(exc))
-    FAST.demoted = FAST.armed = False
+    with FAST.lock:
+        if FAST.owner is None or FAST.owner == me:
+            FAST.demoted = FAST.armed = False
     park()
 
 
@@ -265,9 +275,15 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
                 # (`h.unsqueeze_(0)`, which demotes) changed that tensor's sizes, not the wrapper's
                 args = tuple(_redirect_of(a) if type(a) is LazyTensor else a for a in args)
             return func(*args, **(kwargs or {}))
+        if FAST.owner != _thread():
+            # No forward of this thread is armed or recorded: none of its calls opens a segment, nor reads
+            # or changes another thread's. (`segment` and `armed` are only changed by their owner.)
+            if FAST.redirected and (_has_fast(args) or (kwargs and _has_fast(tuple(kwargs.values())))):
+                return _default(func, args, kwargs)     # values of a demoted step
+            if not _grad_enabled():
+                return inference._torch_function(cls, func, types, args, kwargs)
+            return _default(func, args, kwargs)
         seg = FAST.segment
-        if (seg is not None or FAST.armed) and FAST.owner != _thread():
-            return _default(func, args, kwargs)     # another thread records its forward at the moment
         if func in _AUTOGRAD_STATE:
             x = args[0] if args else None
             if seg is not None and type(x) is LazyTensor and x._fid is not None and x._fseg is seg:
@@ -286,7 +302,12 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
                 return _default(func, args, kwargs)     # values of a demoted step
             if not _grad_enabled():
                 return inference._torch_function(cls, func, types, args, kwargs)
-            if not FAST.armed or func in _BACKWARDS or func is torch.autograd.grad or not _can_start():
+            if not FAST.armed or func in _BACKWARDS or func is torch.autograd.grad:
+                return _default(func, args, kwargs)
+            if not _can_start():
+                # the forward is recorded op by op: a segment opened by a later call would take this
+                # one's results, with their autograd history, as inputs (and demote)
+                FAST.armed = False
                 return _default(func, args, kwargs)
             device = _device_of(args) or _device_of(tuple((kwargs or {}).values()))
             if device is None:
@@ -376,9 +397,12 @@ def park() -> None:
     between forwards there are many: the optimizer's and `zero_grad`'s reads and writes of `.grad`,
     `mark_step`'s binding. The calls that follow go to the dispatcher as they would with fast recording
     off; a forward without grad turns the handler on too (`inference`), until the next `mark_step`."""
-    if FAST.installed and FAST.segment is None and not FAST.armed and not FAST.still_redirected() and \
-            LazyTensor.__dict__.get("__torch_function__") is _INSTALLED:
-        _restore_class_handler()
+    with FAST.lock:
+        if FAST.owner == _thread() and FAST.segment is None and not FAST.armed:
+            FAST.owner = None
+        if FAST.installed and FAST.owner is None and not FAST.still_redirected() and \
+                LazyTensor.__dict__.get("__torch_function__") is _INSTALLED:
+            _restore_class_handler()
 
 
 def _restore_class_handler() -> None:

@@ -9,6 +9,7 @@ computes values read before `mark_step`, `Segment.demote` re-runs the calls thro
 from __future__ import annotations
 
 import gc
+import threading
 import time
 import weakref
 
@@ -640,7 +641,12 @@ class _Fast:
     def __init__(self) -> None:
         self.segment: Segment | None = None
         self.armed = False          # a lazy module's forward began: its first call opens a segment
-        self.owner = 0              # ... on this thread (other threads' calls take the dispatcher's path)
+        # The thread whose forward is armed or recorded (None: no thread's). Only it changes `armed` and
+        # `segment`; other threads' calls take the dispatcher's path meanwhile. Claimed and let go of under
+        # `lock` (fast.arm, fast.park), so that two threads never share a segment, and the handler is
+        # never taken off the class while a segment is open.
+        self.owner: int | None = None
+        self.lock = threading.Lock()
         self.demoted = False
         self.redirected = False     # some segment was demoted: its fast values may still be around
         self.redirects: list[weakref.ref] = []  # ... those values (`still_redirected`)

@@ -3,6 +3,8 @@ thread, are serialised by the recorder's lock. Every thread's values must come o
 had run alone: a mark in the middle of another thread's ops is just an earlier cut of the step."""
 from __future__ import annotations
 
+import copy
+import sys
 import threading
 
 import pytest
@@ -10,6 +12,7 @@ import torch
 
 import pydisc
 import pydisc.driver.step as pstep
+from pydisc.driver import step_choice
 from pydisc.frontend.lazy_tensor import RECORDER
 
 
@@ -107,37 +110,32 @@ def test_a_thread_marking_while_another_holds_pending_views():
     assert x.tolist() == want.tolist()
 
 
-@pytest.mark.parametrize("n_threads", [4])
-def test_many_threads_each_with_its_own_model(n_threads, monkeypatch):
-    """Threads training their own small models, each calling mark_step: the marks of one thread run
-    the others' pending ops too, and every model still ends exactly where it would alone."""
-    monkeypatch.setattr(pstep.CONFIG, "disable", True)
+def _train(model, seed, steps=6):
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        x = torch.randn(8, 5, generator=g)
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if pydisc.is_lazy(next(model.parameters())):
+            pydisc.mark_step()
+    return [p.detach().cpu().clone() for p in model.parameters()]
 
-    def train(model, seed, steps=6):
-        g = torch.Generator().manual_seed(seed)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for _ in range(steps):
-            x = torch.randn(8, 5, generator=g)
-            loss = model(x).pow(2).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            if pydisc.is_lazy(next(model.parameters())):
-                pydisc.mark_step()
-        return [p.detach().cpu().clone() for p in model.parameters()]
 
-    torch.manual_seed(0)
+def _threads_train_their_own_models(n_threads: int, seed: int = 0) -> None:
+    torch.manual_seed(seed)
     models = [torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 2))
               for _ in range(n_threads)]
-    import copy
     lazy_models = [pydisc.lazy(copy.deepcopy(m)) for m in models]
-    want = [train(m, k) for k, m in enumerate(models)]
+    want = [_train(m, k) for k, m in enumerate(models)]
     got: list = [None] * n_threads
     errors: list = []
 
     def run(k):
         try:
-            got[k] = train(lazy_models[k], k)
+            got[k] = _train(lazy_models[k], k)
         except BaseException as exc:     # noqa: BLE001
             errors.append(exc)
 
@@ -150,3 +148,45 @@ def test_many_threads_each_with_its_own_model(n_threads, monkeypatch):
     for k in range(n_threads):
         for g, w in zip(got[k], want[k]):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture
+def short_switch_interval():
+    """Threads take turns every 10 µs (5 ms by default): the interleavings a loaded machine makes once in a
+    while, made in every run."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    yield
+    sys.setswitchinterval(before)
+
+
+@pytest.mark.parametrize("n_threads", [4])
+def test_many_threads_each_with_its_own_model(n_threads, monkeypatch):
+    """Threads training their own small models, each calling mark_step: the marks of one thread run
+    the others' pending ops too, and every model still ends exactly where it would alone."""
+    monkeypatch.setattr(pstep.CONFIG, "disable", True)
+    _threads_train_their_own_models(n_threads)
+
+
+def test_threads_recording_forwards_fast_take_turns(monkeypatch, short_switch_interval):
+    """Each lazy module's forward is recorded at `__torch_function__` by the one thread that owns the fast
+    recorder at the time; other threads' forwards record op by op meanwhile. Without ownership claimed
+    under a lock, a thread took over another's armed forward, recorded into its segment, or took the
+    handler off the class under an open segment (losses without autograd history, `_mk` missing, ...)."""
+    monkeypatch.setattr(pstep.CONFIG, "disable", True)
+    for rep in range(8):
+        _threads_train_their_own_models(4, seed=rep)
+
+
+def test_the_step_choice_is_not_measured_where_several_threads_drive_steps(monkeypatch):
+    """The step choice swaps every lazy tensor of the process for a plain one and back: under another
+    thread's step that poisoned its autograd graph. With several threads nothing is released (or, once
+    released, nothing is made lazy again) and each thread's training still equals eager."""
+    monkeypatch.setattr(pstep.CONFIG, "step_choice", "cpu"); monkeypatch.setattr(pstep.CONFIG, "disable", True)
+    step_choice.reset()
+    try:
+        for rep in range(4):
+            _threads_train_their_own_models(4, seed=rep)
+        assert "several threads" in pydisc.metrics()["step_choice"], pydisc.metrics()["step_choice"]
+    finally:
+        step_choice.reset()
