@@ -350,8 +350,9 @@ def _several_threads(s: ChoiceState) -> None:
                     "steps, which cannot be made lazy again under its step", walk=False)
         return
     s.phase, s.kept_compiled = "decided", None
-    METRICS.step_choice = "not measured: steps are driven from several threads -> compiled"
-    log("plans", "step choice: %s", METRICS.step_choice)
+    if CONFIG.step_choice != "off":
+        METRICS.step_choice = "not measured: steps are driven from several threads -> compiled"
+        log("plans", "step choice: %s", METRICS.step_choice)
 
 
 def _keep_eager(s: ChoiceState, why: str, plain_before: int = 0, walk: bool = True) -> None:

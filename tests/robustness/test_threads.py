@@ -124,18 +124,33 @@ def _train(model, seed, steps=6):
     return [p.detach().cpu().clone() for p in model.parameters()]
 
 
-def _threads_train_their_own_models(n_threads: int, seed: int = 0) -> None:
+def _infer(model, seed, steps=6):
+    g = torch.Generator().manual_seed(seed)
+    outs = []
+    with torch.no_grad():
+        for _ in range(steps):
+            y = model(torch.randn(8, 5, generator=g))
+            if pydisc.is_lazy(next(model.parameters())):
+                pydisc.mark_step()
+            outs.append(y.cpu().clone())
+    return outs
+
+
+def _threads_train_their_own_models(n_threads: int, seed: int = 0, infer: bool = False) -> None:
+    """`n_threads` threads each train their own model (`infer`: every other thread runs its model under
+    no_grad instead), against the same done eagerly one after the other."""
     torch.manual_seed(seed)
     models = [torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 2))
               for _ in range(n_threads)]
+    work = [_infer if infer and k % 2 else _train for k in range(n_threads)]
     lazy_models = [pydisc.lazy(copy.deepcopy(m)) for m in models]
-    want = [_train(m, k) for k, m in enumerate(models)]
+    want = [work[k](m, k) for k, m in enumerate(models)]
     got: list = [None] * n_threads
     errors: list = []
 
     def run(k):
         try:
-            got[k] = _train(lazy_models[k], k)
+            got[k] = work[k](lazy_models[k], k)
         except BaseException as exc:     # noqa: BLE001
             errors.append(exc)
 
@@ -176,6 +191,14 @@ def test_threads_recording_forwards_fast_take_turns(monkeypatch, short_switch_in
     monkeypatch.setattr(pstep.CONFIG, "disable", True)
     for rep in range(8):
         _threads_train_their_own_models(4, seed=rep)
+
+
+def test_threads_training_and_running_inference_side_by_side(monkeypatch, short_switch_interval):
+    """Forwards without grad on other threads take the composite-op recording (`inference`) while one
+    thread owns the fast recorder, and leave its segment alone."""
+    monkeypatch.setattr(pstep.CONFIG, "disable", True)
+    for rep in range(3):
+        _threads_train_their_own_models(4, seed=rep, infer=True)
 
 
 def test_the_step_choice_is_not_measured_where_several_threads_drive_steps(monkeypatch):
