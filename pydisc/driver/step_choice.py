@@ -345,7 +345,7 @@ def _several_threads(s: ChoiceState) -> None:
     if s.probe is not None or s.released is not None:
         s.probe = None
         s.phase = "decided"
-        METRICS.step_choice = "timed eager steps were running when a second thread drove steps -> eager"
+        METRICS.step_choice = "timed eager steps were running when steps came from several threads -> eager"
         _keep_eager(s, "a second thread drove steps while the lazy tensors were released for timed eager "
                     "steps, which cannot be made lazy again under its step", walk=False)
         return

@@ -110,27 +110,31 @@ def test_a_thread_marking_while_another_holds_pending_views():
     assert x.tolist() == want.tolist()
 
 
-def _train(model, seed, steps=6):
+def _train(model, seed, steps=6, first=0, lazy=True):
+    """Steps `first` to `steps` of the training of `model` on batches of `seed` (SGD keeps no state), a
+    mark_step after each where `lazy`."""
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(steps):
+    for i in range(steps):
         x = torch.randn(8, 5, generator=g)
+        if i < first:
+            continue
         loss = model(x).pow(2).mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
-        if pydisc.is_lazy(next(model.parameters())):
+        if lazy:
             pydisc.mark_step()
     return [p.detach().cpu().clone() for p in model.parameters()]
 
 
-def _infer(model, seed, steps=6):
+def _infer(model, seed, steps=6, lazy=True):
     g = torch.Generator().manual_seed(seed)
     outs = []
     with torch.no_grad():
         for _ in range(steps):
             y = model(torch.randn(8, 5, generator=g))
-            if pydisc.is_lazy(next(model.parameters())):
+            if lazy:
                 pydisc.mark_step()
             outs.append(y.cpu().clone())
     return outs
@@ -144,7 +148,7 @@ def _threads_train_their_own_models(n_threads: int, seed: int = 0, infer: bool =
               for _ in range(n_threads)]
     work = [_infer if infer and k % 2 else _train for k in range(n_threads)]
     lazy_models = [pydisc.lazy(copy.deepcopy(m)) for m in models]
-    want = [work[k](m, k) for k, m in enumerate(models)]
+    want = [work[k](m, k, lazy=False) for k, m in enumerate(models)]
     got: list = [None] * n_threads
     errors: list = []
 
@@ -205,11 +209,67 @@ def test_the_step_choice_is_not_measured_where_several_threads_drive_steps(monke
     """The step choice swaps every lazy tensor of the process for a plain one and back: under another
     thread's step that poisoned its autograd graph. With several threads nothing is released (or, once
     released, nothing is made lazy again) and each thread's training still equals eager."""
-    monkeypatch.setattr(pstep.CONFIG, "step_choice", "cpu"); monkeypatch.setattr(pstep.CONFIG, "disable", True)
+    monkeypatch.setattr(pstep.CONFIG, "step_choice", "cpu")
+    monkeypatch.setattr(pstep.CONFIG, "disable", True)
     step_choice.reset()
     try:
         for rep in range(4):
             _threads_train_their_own_models(4, seed=rep)
+        # (compiled kept, or eager where a thread's probe had released the tensors before another began)
         assert "several threads" in pydisc.metrics()["step_choice"], pydisc.metrics()["step_choice"]
+    finally:
+        step_choice.reset()
+
+
+def test_tensors_released_for_a_probe_stay_plain_once_another_thread_drives_steps(monkeypatch):
+    """A thread's probe (one plain eager step, timed) has released every lazy tensor when a second thread
+    begins: its model is plain and trains eagerly. At the first thread's next mark eager is kept, and
+    nothing is made lazy again (it would be swapped under the second thread's next step)."""
+    monkeypatch.setattr(pstep.CONFIG, "step_choice", "cpu")
+    monkeypatch.setattr(pstep.CONFIG, "disable", True)
+    monkeypatch.setattr(step_choice, "RECORDING_BOUND", 1e9)     # the probe's timing does not decide
+    step_choice.reset()
+    try:
+        torch.manual_seed(0)
+        models = [torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 2))
+                  for _ in range(2)]
+        lazy_models = [pydisc.lazy(copy.deepcopy(m)) for m in models]
+        want = [_train(m, k, lazy=False) for k, m in enumerate(models)]
+        released, second_done = threading.Event(), threading.Event()
+        got: list = [None, None]
+        errors: list = []
+
+        def first():
+            try:
+                got[0] = _train(lazy_models[0], 0, steps=2)         # the second mark starts the probe
+                assert step_choice.measuring() and not pydisc.is_lazy(lazy_models[1][0].weight)
+                released.set()
+                second_done.wait()
+                got[0] = _train(lazy_models[0], 0, first=2)
+            except BaseException as exc:     # noqa: BLE001
+                errors.append(exc)
+            finally:
+                released.set()
+
+        def second():
+            try:
+                released.wait()
+                got[1] = _train(lazy_models[1], 1)
+            except BaseException as exc:     # noqa: BLE001
+                errors.append(exc)
+            finally:
+                second_done.set()
+
+        threads = [threading.Thread(target=first), threading.Thread(target=second)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert "timed eager steps were running" in pydisc.metrics()["step_choice"], pydisc.metrics()["step_choice"]
+        assert not any(pydisc.is_lazy(p) for m in lazy_models for p in m.parameters())
+        for k in range(2):
+            for g, w in zip(got[k], want[k]):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
     finally:
         step_choice.reset()
