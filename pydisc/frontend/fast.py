@@ -275,15 +275,10 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
                 # (`h.unsqueeze_(0)`, which demotes) changed that tensor's sizes, not the wrapper's
                 args = tuple(_redirect_of(a) if type(a) is LazyTensor else a for a in args)
             return func(*args, **(kwargs or {}))
-        if FAST.owner != _thread():
-            # No forward of this thread is armed or recorded: none of its calls opens a segment, nor reads
-            # or changes another thread's. (`segment` and `armed` are only changed by their owner.)
-            if FAST.redirected and (_has_fast(args) or (kwargs and _has_fast(tuple(kwargs.values())))):
-                return _default(func, args, kwargs)     # values of a demoted step
-            if not _grad_enabled():
-                return inference._torch_function(cls, func, types, args, kwargs)
-            return _default(func, args, kwargs)
-        seg = FAST.segment
+        # `segment` and `armed` are the owning thread's, changed by it alone: another thread's calls neither
+        # open a segment nor read or change that one
+        mine = FAST.owner == _thread()
+        seg = FAST.segment if mine else None
         if func in _AUTOGRAD_STATE:
             x = args[0] if args else None
             if seg is not None and type(x) is LazyTensor and x._fid is not None and x._fseg is seg:
@@ -302,7 +297,7 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
                 return _default(func, args, kwargs)     # values of a demoted step
             if not _grad_enabled():
                 return inference._torch_function(cls, func, types, args, kwargs)
-            if not FAST.armed or func in _BACKWARDS or func is torch.autograd.grad:
+            if not mine or not FAST.armed or func in _BACKWARDS or func is torch.autograd.grad:
                 return _default(func, args, kwargs)
             if not _can_start():
                 # the forward is recorded op by op: a segment opened by a later call would take this
