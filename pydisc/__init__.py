@@ -22,6 +22,7 @@ from .frontend import fast
 from .frontend.collectives import install_collectives
 from .frontend.lazy_tensor import RECORDER, LazyTensor, StrictModeError, is_lazy
 from .frontend.lazy_tensor import to_lazy as _to_lazy
+from .frontend.random_state import install_random_state
 from .frontend.rewrites import install_rewrites
 from .frontend.symbolic import release_factory_mode
 from .frontend.tensor import install_to_dlpack
@@ -40,6 +41,7 @@ install_collectives()     # after the rewrites: it wraps any rewrite of copy_
 fast.set_default(CONFIG.fast_record)     # (the handler is installed at the first forward it records)
 install_optimizer_hook()
 install_to_dlpack()
+install_random_state()
 
 
 @atexit.register

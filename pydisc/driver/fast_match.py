@@ -31,6 +31,7 @@ from ..frontend.foreach import SplitForeach
 from ..frontend.fused import XV, FusedStep, autograd_dispatched
 from ..frontend.layout import contiguous_strides, flat_base, numel, view_of_base
 from ..frontend.lazy_tensor import RECORDER, LazyTensor
+from ..frontend.random_state import get_rng_state, set_rng_state
 from ..frontend.trace import LazyStorage, RealRef, ScalarRef, Trace, ValueRef
 from ..metrics import METRICS
 from .dynamic import Binding, MadeBy, Recomputed, StepReal
@@ -173,11 +174,11 @@ def _restore_counters(saved: tuple) -> None:
 
 def _rng_states(trace: Trace) -> list:
     """torch's generators the step's device draws from: the CPU's, and its GPU's."""
-    states = [(None, torch.get_rng_state())]
+    states = [(None, get_rng_state())]
     for s in trace.input_storages:
         device = s.real.device if s.real is not None else None
         if device is not None and device.type == "cuda":
-            states.append((device, torch.cuda.get_rng_state(device)))
+            states.append((device, get_rng_state(device)))
             break
     return states
 
@@ -189,10 +190,10 @@ def _same_rng(a: list, b: list) -> bool:
 def _restore_rng(states: list) -> None:
     for device, state in states:
         if device is None:
-            if not torch.equal(torch.get_rng_state(), state):
-                torch.set_rng_state(state)
-        elif not torch.equal(torch.cuda.get_rng_state(device), state):
-            torch.cuda.set_rng_state(state, device)
+            if not torch.equal(get_rng_state(), state):
+                set_rng_state(state)
+        elif not torch.equal(get_rng_state(device), state):
+            set_rng_state(state, device)
 
 
 def _real_source(trace: Trace, t: torch.Tensor, version: int, made: dict, budget: list, log: _EagerOps):

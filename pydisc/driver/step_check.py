@@ -14,6 +14,7 @@ import torch
 
 from ..diagnostics import warn_once
 from ..exec.compare import mismatch
+from ..frontend.random_state import get_rng_state, set_rng_state
 from ..frontend.replay import Program
 from ..frontend.trace import Trace
 from ..metrics import METRICS
@@ -26,13 +27,13 @@ class _RandomState:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.cpu = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        self.cpu = get_rng_state()
+        self.cuda = get_rng_state(device) if device.type == "cuda" else None
 
     def restore(self) -> None:
-        torch.set_rng_state(self.cpu)
+        set_rng_state(self.cpu)
         if self.cuda is not None:
-            torch.cuda.set_rng_state(self.cuda, self.device)
+            set_rng_state(self.cuda, self.device)
 
 
 class StepCheck:

@@ -132,6 +132,7 @@ class FusedStep:
         self.loss = loss
         self.outputs = outputs
         self.written = written
+        self.draws = 0      # calls that draw random numbers (when the step runs: frontend/random_state.py)
         # fid -> its value, computed by torch for a read before the forward's end (`Segment.evaluate`), and
         # how many calls were recorded at the last such read
         self.evaluated: dict[int, torch.Tensor] = {}

@@ -75,6 +75,7 @@ class Segment:
         self.meta_seconds = 0.0
         self.evaluated: dict = {}           # fid -> its value, computed for a read before the segment's end
         self.read_upto = 0                  # calls recorded at the last such read
+        self.draws = 0                      # calls recorded that draw random numbers (random_state.py)
         self.armed_by = None                # (module, its training mode) whose forward opened it (fast.arm)
         if CONFIG.gc_pause and gc.isenabled() and not RECORDER.gc_paused:
             # as for a step recorded by the dispatcher (Recorder.dispatch): no cyclic GC while it records,
@@ -297,6 +298,8 @@ class Segment:
         self.entries.append((func, enc_args, enc_kwargs, tuple(out_fids), (sig[1], amp), tuple(out_leaves)))
         self.sig.append(tuple(sig))
         self.links.append((recipe.connected, recipe.random, tuple(slots)))
+        if recipe.random:
+            self.draws += 1
         METRICS.fast_entries += 1
         if recipe.spec is None:
             return results[0]
@@ -489,7 +492,7 @@ class Segment:
             fused = FusedStep(tuple(self.entries), len(self.externals), leaves,
                               loss._fid if loss is not None else None, tuple(value_fids), self.device.type,
                               tuple(self.written))
-            fused.evaluated, fused.read_upto = self.evaluated, self.read_upto
+            fused.evaluated, fused.read_upto, fused.draws = self.evaluated, self.read_upto, self.draws
             writes = []
             for i in self.written:
                 storage = self.externals[i]._storage

@@ -1168,6 +1168,8 @@ _TESTED_ELSEWHERE = {
     "backward of a value eager refuses": "test_a_backward_eager_refuses_raises_eagers_error",
     "planning failed: %s": "test_a_planning_failure_of_a_fused_step_records_op_by_op_from_then_on",
     "autocast on another device": "test_autocast_of_another_device_demotes",    # (on a CUDA machine)
+    "the random generator's state read or set":
+        "tests/frontend/test_random_state.py::test_the_generator_reseeded_or_rewound_mid_step_gives_eagers_numbers",
     "dynamic shapes: no template takes the fast step":
         "tests/driver/test_fast_match.py::test_a_fast_step_no_template_takes_goes_back_to_the_dispatcher",
     # a segment's values lose their ids when it ends (close, demote, abandon), and one is open at a time

@@ -54,6 +54,19 @@ def test_hf_model_logged_and_clipped_inside_the_step_trains_like_eager(fast: boo
     assert run.metrics["compile_failures"] == {}
 
 
+def test_hf_gpt2_with_dropout_and_gradient_checkpointing_trains_like_eager(compile_on_second_sighting,
+                                                                          fresh_plans) -> None:
+    """GPT-2 as fine-tuned to save memory: dropout 0.1 and `gradient_checkpointing_enable()`. The
+    checkpoint's recomputation in the backward draws the forward's dropout masks again (it puts torch's
+    generator back); pydisc drew them all at mark_step, the recomputation's after the forward's, and the
+    gradients were those of other masks, silently (parameters 7.5e-3 off after 5 steps). Now reading or
+    setting the generator's state runs the draws pending first (frontend/random_state.py)."""
+    run = hf_models.train_side_by_side("gpt2_dropout", steps=4, checkpointing=True)
+    hf_models.assert_trains_like_eager(run)
+    assert run.metrics["random_state_runs"] > 0
+    assert run.metrics["compile_failures"] == {}
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("name,attn", CASES, ids=["%s-%s" % c for c in CASES])
 def test_hf_model_trains_like_eager_compiled_on_cuda(name: str, attn: str, compile_on_second_sighting) -> None:
