@@ -27,6 +27,10 @@ def metrics_report(top: int = 10) -> str:
             if m.reads_run_eagerly else ""),
         "  planning time        %.2f s" % m.plan_seconds,
     ]
+    if m.random_state_runs:
+        lines.append("  random state runs    %d (pending steps run early: torch's random generator state read or "
+                     "set while random draws were pending, as gradient checkpointing with dropout does)"
+                     % m.random_state_runs)
     skipped = "%d forwards recorded op by op at once (their module's were demoted twice in a row)" % m.fast_skipped
     if m.fast_demotions:
         lines.append("  fast path demoted    %s (re-recorded op by op)%s" % (", ".join(

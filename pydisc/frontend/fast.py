@@ -56,6 +56,7 @@ _IS_LEAF = _Tensor.is_leaf.__get__
 _GRAD_FN = _Tensor.grad_fn.__get__
 _GRAD = _Tensor.grad.__get__
 _BACKWARDS = {_Tensor.backward, torch.autograd.backward}
+_REQUIRES_GRAD_ = _Tensor.requires_grad_
 _READS_OF_AUTOGRAD = {_REQUIRES_GRAD, _IS_LEAF, _GRAD_FN, _GRAD}
 
 
@@ -114,6 +115,13 @@ def _can_start() -> bool:
         return False
     dist = torch.distributed
     return not (dist.is_available() and dist.is_initialized())
+
+
+def _asks_grad(args, kwargs) -> bool:
+    """`requires_grad_`'s flag: its second argument, `requires_grad=`, True by default."""
+    if len(args) > 1:
+        return bool(args[1])
+    return bool((kwargs or {}).get("requires_grad", True))
 
 
 def _device_of(args) -> torch.device | None:
@@ -287,6 +295,8 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
                     return seg.rg[x._fid]
                 if func == _IS_LEAF:
                     return not seg.rg[x._fid]
+                if func == _REQUIRES_GRAD_ and seg.rg[x._fid] and _asks_grad(args, kwargs):
+                    return x        # already requires grad (HF's `enable_input_require_grads` hook): eager's no-op
                 # grad_fn (module backward hooks read it to attach theirs), .grad, hooks: not followed
                 seg.demote(_AUTOGRAD_STATE[func])
             elif seg is not None and func not in _READS_OF_AUTOGRAD and func != _GRAD_SET:

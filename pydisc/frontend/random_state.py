@@ -24,11 +24,9 @@ instead of after (docs/robustness.md).
 from __future__ import annotations
 
 import functools
-import sys
 import threading
 
 import torch
-import torch.utils.checkpoint
 
 from .. import metrics as _metrics
 from .call_meta import _SEEDED, _dropout_p
@@ -44,7 +42,6 @@ _thread = threading.get_ident
 # torch.random's, torch.cuda torch.cuda.random's: both names are replaced)
 _READ_OR_SET = ("get_rng_state", "set_rng_state", "manual_seed", "seed")
 _CUDA_READ_OR_SET = _READ_OR_SET + ("get_rng_state_all", "set_rng_state_all", "manual_seed_all", "seed_all")
-_CHECKPOINT_START = torch.utils.checkpoint._checkpoint_without_reentrant_generator.__code__
 
 
 def draws(entry) -> bool:
@@ -79,21 +76,12 @@ def _make_pending_draws() -> None:
 def _guarded(original):
     @functools.wraps(original)
     def guarded(*args, **kwargs):
-        if pending_draws() and not _saved_for_a_recomputation_only():
+        if pending_draws():
             _make_pending_draws()
         return original(*args, **kwargs)
 
     guarded.pydisc_original = original
     return guarded
-
-
-def _saved_for_a_recomputation_only() -> bool:
-    """Whether a forward recorded at `__torch_function__` is open and the state is read by a non-reentrant
-    `torch.utils.checkpoint` as it starts, only to put it back for a recomputation in the backward: a
-    fused step never recomputes (its backward is differentiated from its own forward, masks included),
-    and re-recording the forward by the dispatcher there would give the checkpoint a saved-tensor count
-    its recomputation does not match."""
-    return FAST.segment is not None and sys._getframe(2).f_code is _CHECKPOINT_START
 
 
 def install_random_state() -> None:

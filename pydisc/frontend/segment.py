@@ -37,6 +37,7 @@ _is_alias_of = torch._C._is_alias_of
 _Tensor = torch.Tensor
 _GRAD = _Tensor.grad.__get__
 _TO = _Tensor.to
+_REQUIRES_GRAD_ = torch._C.TensorBase.requires_grad_
 
 
 # Arguments that are constants as they are (no tensor inside, not a device): torch.Size holds ints (or the
@@ -400,8 +401,16 @@ class Segment:
                         self.device.type).forward(list(self.externals))
         for o in self.alive():
             if o._fid in env:
-                o._redirect = env[o._fid]
+                target = o._redirect = env[o._fid]
                 FAST.redirects.append(weakref.ref(o))
+                with _NO_SUBCLASS():
+                    if target.requires_grad:
+                        # Where torch meets the value without pydisc's handler (code run inside a backward,
+                        # which runs with torch functions off: a non-reentrant checkpoint's recomputation
+                        # of a forward it took the value into), autograd reads the value's own flag: as
+                        # its target's, autograd saves what it saved for the target (the checkpoint
+                        # compares the counts). The wrapper is a leaf of its own; nothing flows into it.
+                        _REQUIRES_GRAD_(o, True)
             o._fid = None
             o._fseg = None
 

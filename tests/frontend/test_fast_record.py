@@ -539,6 +539,52 @@ def test_steps_once_wrong_on_the_fast_path_equal_eager(forward, fast_recording, 
     assert m["fast_segments"] + sum(m["fast_demotions"].values()) == 2, m     # each step began on the fast path
 
 
+class _CheckpointedAfterAHook(nn.Module):
+    """An embedding whose output gets a tensor hook (which demotes the forward), then a layer under a
+    non-reentrant `torch.utils.checkpoint` that takes that output and a value the forward made before."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.a, self.head = nn.Embedding(10, 8), nn.Linear(8, 8), nn.Linear(8, 10)
+        self.register_buffer("freq", torch.linspace(0.5, 1.5, 8))
+
+    def forward(self, ids):
+        cos = torch.cos(self.freq * torch.arange(ids.shape[1]).float()[:, None])
+        h = self.emb(ids)
+        h.register_hook(lambda g: g * 2)
+        h = torch.utils.checkpoint.checkpoint(lambda h, cos: h + torch.tanh(self.a(h) * cos), h, cos,
+                                              use_reentrant=False)
+        return self.head(h)
+
+
+def test_a_demoted_forward_under_a_non_reentrant_checkpoint_equals_eager(fast_recording) -> None:
+    """The checkpoint keeps the values it is given (here a demoted forward's, which forward to their
+    ATen-level tensors) and recomputes the layer from them in the backward, where torch functions are off
+    and pydisc's handler does not see them: autograd took them for tensors that need no gradient, saved
+    fewer tensors than in the forward, and the checkpoint raised `CheckpointError` (HF Llama with
+    `gradient_checkpointing_enable()`, whose embedding hook demotes)."""
+    torch.manual_seed(0)
+    ref = _CheckpointedAfterAHook()
+    model = pydisc.lazy(copy.deepcopy(ref))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        ids = torch.randint(0, 10, (3, 5), generator=g)
+        losses = []
+        for m, opt in zip((ref, model), opts):
+            loss = F.cross_entropy(m(ids).flatten(0, 1), ids.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if m is model:
+                pydisc.mark_step()
+            losses.append(float(loss.detach()))
+        assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    for a, b in zip(ref.parameters(), model.parameters()):
+        torch.testing.assert_close(b.detach(), a.detach(), rtol=1e-5, atol=1e-6)
+    assert pydisc.metrics()["fast_demotions"]["tensor hooks"] >= 1
+
+
 def test_two_backwards_through_a_detached_value_equal_eager(fast_recording) -> None:
     """A GAN's step: the first backward goes through `fake.detach()`, the second through `fake`."""
     class GAN(nn.Module):
@@ -1080,6 +1126,21 @@ def test_each_cause_of_demotion_is_counted_and_the_step_equals_eager(reason, ste
             a, b = ref.__dict__[name], model.__dict__[name]
             torch.testing.assert_close((b.grad if a.grad is not None else b).cpu(), a.grad if a.grad is not None else a)
     assert pydisc.metrics()["fast_demotions"].get(reason, 0) >= 1, pydisc.metrics()["fast_demotions"]
+
+
+@pytest.mark.parametrize("flag", [(), (True,)], ids=["default", "true"])
+def test_requires_grad_asked_of_a_value_that_requires_it_does_not_demote(flag, fast_recording,
+                                                                         replayed_eagerly) -> None:
+    """`h.requires_grad_()` on a value of the forward that requires grad already is eager's no-op (HF's
+    `enable_input_require_grads`, which `gradient_checkpointing_enable()` turns on, hooks the embeddings
+    so): it demoted every such model to the dispatcher."""
+    step = _step_of(_h(lambda m, h: h.requires_grad_(*flag) * 2))
+    losses, lazy_losses, ref, model = _train(
+        _Two, lambda m, x, y: step(m, x), steps=3, batch=lambda g: (torch.randn(5, 4, generator=g), None),
+        opt=lambda p: torch.optim.AdamW(p, lr=0.1, weight_decay=0.1))
+    _assert_same(ref, model, losses, lazy_losses)
+    m = pydisc.metrics()
+    assert m["fast_demotions"] == {} and m["fast_segments"] == 3
 
 
 @pytest.mark.cuda

@@ -146,11 +146,14 @@ def test_gradient_checkpointing_with_dropout_trains_like_eager(reentrant: bool, 
         for got, expected in zip(params, eager_params):
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
         m = pydisc.metrics()
-        if fast_record and not reentrant:
-            # a fused step differentiates its own forward: no recomputation, nothing to run early
-            assert m["random_state_runs"] == 0 and not m["fast_demotions"]
-        else:
-            assert m["random_state_runs"] > 0
+        assert m["random_state_runs"] > 0
+        if fast_record:
+            # the checkpoint reads the state as it starts, after the first layer's dropout: the forward is
+            # re-recorded by the dispatcher there (a reentrant checkpoint's `autograd.Function` demotes
+            # it first), and then the checkpoint's recomputation counts the tensors autograd saved for
+            # the values the demoted forward made
+            assert set(m["fast_demotions"]) <= {"the random generator's state read or set",
+                                                "autograd.Function (CheckpointFunction)"}
     finally:
         fast.uninstall()
         fast.set_default(CONFIG.fast_record)

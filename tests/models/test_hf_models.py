@@ -54,16 +54,26 @@ def test_hf_model_logged_and_clipped_inside_the_step_trains_like_eager(fast: boo
     assert run.metrics["compile_failures"] == {}
 
 
-def test_hf_gpt2_with_dropout_and_gradient_checkpointing_trains_like_eager(compile_on_second_sighting,
-                                                                          fresh_plans) -> None:
-    """GPT-2 as fine-tuned to save memory: dropout 0.1 and `gradient_checkpointing_enable()`. The
-    checkpoint's recomputation in the backward draws the forward's dropout masks again (it puts torch's
-    generator back); pydisc drew them all at mark_step, the recomputation's after the forward's, and the
-    gradients were those of other masks, silently (parameters 7.5e-3 off after 5 steps). Now reading or
-    setting the generator's state runs the draws pending first (frontend/random_state.py)."""
-    run = hf_models.train_side_by_side("gpt2_dropout", steps=4, checkpointing=True)
+@pytest.mark.parametrize("name", ["gpt2_dropout", "llama"])
+def test_hf_model_with_gradient_checkpointing_trains_like_eager(name: str, compile_on_second_sighting,
+                                                               fresh_plans) -> None:
+    """As fine-tuned to save memory: `gradient_checkpointing_enable()` (a non-reentrant
+    `torch.utils.checkpoint` per layer) and, for GPT-2, dropout 0.1. Before:
+    - GPT-2: the checkpoint's recomputation in the backward draws the forward's dropout masks again (it
+      puts torch's generator back); pydisc drew them all at mark_step, the recomputation's after the
+      forward's, and the gradients were those of other masks, silently (parameters 7.5e-3 off after 5
+      steps). Reading or setting the generator's state now runs the draws pending first (random_state.py),
+      and such a forward is recorded by the dispatcher;
+    - Llama: `CheckpointError`. HF's hook that makes the embeddings' output require grad demoted the
+      fast-recorded forward, and the recomputation met the demoted forward's values without pydisc's
+      handler. That hook is now eager's no-op on the fast path (the forward stays there), and such values
+      carry their targets' `requires_grad` (test_fast_record.py has both)."""
+    run = hf_models.train_side_by_side(name, steps=4, checkpointing=True)
     hf_models.assert_trains_like_eager(run)
-    assert run.metrics["random_state_runs"] > 0
+    if name == "gpt2_dropout":
+        assert run.metrics["random_state_runs"] > 0
+    else:
+        assert run.metrics["fast_demotions"] == {} and run.metrics["fast_segments"] > 0
     assert run.metrics["compile_failures"] == {}
 
 
