@@ -106,19 +106,19 @@ class _Checkpointed(nn.Module):
 
     def forward(self, ids):
         h = self.emb(ids)
-        cos = torch.cos(self.freq * torch.arange(ids.shape[1]).float()[:, None])
+        cos = torch.cos(self.freq * torch.arange(ids.shape[1], device=ids.device).float()[:, None])
         for layer in self.layers:
             h = checkpoint(layer, h, cos, use_reentrant=self.reentrant)
         return self.head(h)
 
 
-def _train(model: nn.Module, lazy: bool, steps: int = 4) -> tuple[list, list]:
+def _train(model: nn.Module, lazy: bool, device: str, steps: int = 4) -> tuple[list, list]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(1)
     losses = []
     for step in range(steps):
-        ids = torch.randint(0, 10, (3, 5), generator=g)
-        torch.manual_seed(100 + step)
+        ids = torch.randint(0, 10, (3, 5), generator=g).to(device)
+        torch.manual_seed(100 + step)       # (the CUDA generators too)
         loss = F.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
         loss.backward()
         opt.step()
@@ -129,19 +129,21 @@ def _train(model: nn.Module, lazy: bool, steps: int = 4) -> tuple[list, list]:
     return losses, [p.detach().clone() for p in model.parameters()]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("fast_record", [True, False], ids=["fast", "dispatch"])
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
-def test_gradient_checkpointing_with_dropout_trains_like_eager(reentrant: bool, fast_record: bool) -> None:
+def test_gradient_checkpointing_with_dropout_trains_like_eager(reentrant: bool, fast_record: bool,
+                                                               device: str) -> None:
     """The checkpoint's recomputation in the backward must draw the forward's masks: it puts back the
     generator's state saved before the forward. Recorded by the dispatcher (and by the fast recorder once a
     reentrant checkpoint demotes it), the draws were made at mark_step, the recomputation's after the
     forward's, and the gradients were those of other masks (parameters 2e-2 off after 4 steps)."""
     torch.manual_seed(0)
-    ref = _Checkpointed(reentrant)
+    ref = _Checkpointed(reentrant).to(device)
     model = pydisc.lazy(copy.deepcopy(ref), fast_record=fast_record)
     try:
-        eager_losses, eager_params = _train(ref, lazy=False)
-        losses, params = _train(model, lazy=True)
+        eager_losses, eager_params = _train(ref, lazy=False, device=device)
+        losses, params = _train(model, lazy=True, device=device)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses), rtol=1e-5, atol=1e-6)
         for got, expected in zip(params, eager_params):
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
