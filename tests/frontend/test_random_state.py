@@ -151,11 +151,12 @@ def test_gradient_checkpointing_with_dropout_trains_like_eager(reentrant: bool, 
         assert m["random_state_runs"] > 0
         if fast_record:
             # the checkpoint reads the state as it starts, after the first layer's dropout: the forward is
-            # re-recorded by the dispatcher there (a reentrant checkpoint's `autograd.Function` demotes
-            # it first), and then the checkpoint's recomputation counts the tensors autograd saved for
-            # the values the demoted forward made
-            assert set(m["fast_demotions"]) <= {"the random generator's state read or set",
-                                                "autograd.Function (CheckpointFunction)"}
+            # re-recorded by the dispatcher there (or before, at the `autograd.Function` of a reentrant
+            # checkpoint, or of torch 2.11's non-reentrant one), and then the checkpoint's recomputation
+            # counts the tensors autograd saved for the values the demoted forward made
+            assert m["fast_demotions"] and all(
+                r == "the random generator's state read or set" or r.startswith("autograd.Function (")
+                for r in m["fast_demotions"]), m["fast_demotions"]
     finally:
         fast.uninstall()
         fast.set_default(CONFIG.fast_record)
