@@ -39,6 +39,7 @@ class Metrics:
     fast_demotions: Counter = field(default_factory=Counter)   # reason -> segments re-recorded by the dispatcher
     fast_skipped: int = 0             # forwards recorded op by op at once: their module's demoted twice in a row
     random_state_runs: int = 0        # pending steps run because torch's random state was read or set (random_state.py)
+    random_order_changes: int = 0     # steps whose random ops drew after other draws made since they were recorded
     optimizer_steps_stamped: int = 0  # optimizer.step() calls recorded from a template, not run (docs/fast_recording.md)
     optimizer_templates: int = 0      # optimizer steps captured as such templates
     compile_seconds: float = 0.0

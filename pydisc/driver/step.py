@@ -18,7 +18,7 @@ from ..config import CONFIG
 from ..diagnostics import warn_once
 from ..exec import graphs
 from ..exec.compiled import collecting_calls
-from ..frontend import fast
+from ..frontend import fast, random_state
 from ..frontend.fused import FusedStep
 from ..frontend.lazy_tensor import PRUNE_FIRST_AT, RECORDER, LazyTensor, materialize
 from ..frontend.replay import Program, concrete_program, program_from_trace
@@ -97,9 +97,12 @@ def run_pending(target: LazyTensor | None = None, reason: str = "mark_step") -> 
             if trace.entries and trace.symbolic is None else 0.0
         fused = trace.fused > 0         # recorded by the fast recorder
         ran = None
+        note = trace.rng_note
         try:
             if trace.entries:
+                random_state.check_order(trace)
                 ran = _run(trace, target, defer=reason == "mark_step")
+                random_state.renote(RECORDER.trace, note)
         except BaseException as exc:
             RECORDER.new_trace()
             RECORDER.end_step()

@@ -19,7 +19,7 @@ from ..diagnostics import call_name
 from .dtype_checks import EAGER_DTYPE_CHECKS, eager_dtype_error
 from .fused import FV, XV, Demote, NoMeta
 from .layout import contiguous_strides
-from .op_facts import HIDDEN_WRITES
+from .op_facts import HIDDEN_WRITES, draws
 
 __all__ = ["RECIPES", "Recipe", "call_recipe", "on_device"]
 
@@ -55,7 +55,7 @@ class _Watch(TorchDispatchMode):
         self.device = device
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if _SEEDED in func.tags and _dropout_p(func, args, kwargs) != 0.0:
+        if draws(func, args, kwargs):
             self.seen = True
         if self.refused is None and getattr(func, "_opname", None) in EAGER_DTYPE_CHECKS:
             self.refused = eager_dtype_error(func, args, kwargs or {}, self.device)
@@ -73,18 +73,6 @@ class _Watch(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _dropout_p(func, args, kwargs):
-    """The `dropout_p` argument of an op that has one (attention kernels are tagged as seeded, and draw
-    only with dropout), else None."""
-    for i, a in enumerate(func._schema.arguments):
-        if a.name == "dropout_p":
-            if kwargs and "dropout_p" in kwargs:
-                return kwargs["dropout_p"]
-            return args[i] if i < len(args) else a.default_value
-    return None
-
-
-_SEEDED = torch.Tag.nondeterministic_seeded
 
 
 def _grad_node(m: torch.Tensor):

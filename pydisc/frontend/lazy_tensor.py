@@ -27,7 +27,7 @@ from .. import metrics as _metrics
 from ..config import CONFIG
 from .layout import flat_base
 from .meta_keys import KWARGS, Recipe, constant_part, key_part, symbolic_args
-from .op_facts import OPINFOS, OpInfo, arg, opinfo
+from .op_facts import OPINFOS, OpInfo, arg, draws, opinfo
 from .policy import READ_OPS
 from .source import user_source
 from .symbolic import SymArg, SymbolicStep, hint
@@ -616,6 +616,8 @@ class Recorder(SymbolicInputs):
                                    tuple(reads), tuple(writes), tuple(sig),
                                    user_source(3) if self.capture_sources or info.unruled else None))
         METRICS.recorded_ops += 1
+        if info.seeded and trace.rng_note is None and draws(func, args, kwargs):
+            trace.note_draw(device)
         if len(trace.entries) >= self.prune_at and self.pruner is not None:
             self.pruner()
         if self.gc_paused and len(trace.entries) > 50_000:   # a step that is never marked: collect again

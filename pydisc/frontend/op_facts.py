@@ -11,7 +11,7 @@ from .decompositions import DECOMPOSITIONS
 from .lowering.registry import LOWERINGS
 from .policy import EAGER_OPS
 
-__all__ = ["HIDDEN_WRITES", "OpInfo", "REWRITES", "arg", "opinfo"]
+__all__ = ["HIDDEN_WRITES", "OpInfo", "REWRITES", "arg", "opinfo", "draws", "dropout_p"]
 
 aten = torch.ops.aten
 
@@ -29,11 +29,12 @@ REWRITES: dict[object, Callable] = {}
 
 
 class OpInfo:
-    __slots__ = ("name", "returns", "written_args", "needs_eager", "is_view", "rewrite", "unruled")
+    __slots__ = ("name", "returns", "written_args", "needs_eager", "is_view", "rewrite", "unruled", "seeded")
 
     def __init__(self, func) -> None:
         # OpOverload hashes in Python: everything per op is looked up once by id() and kept here.
         self.name = str(func)
+        self.seeded = _SEEDED in func.tags     # it may draw random numbers (`draws` says whether it does)
         self.rewrite = REWRITES.get(func)
         if self.rewrite is None and func.__name__.startswith("_foreach_"):
             self.rewrite = REWRITES.get("_foreach_")
@@ -86,6 +87,26 @@ def opinfo(func) -> OpInfo:
     if info is None:
         info = OPINFOS[id(func)] = OpInfo(func)
     return info
+
+
+_SEEDED = torch.Tag.nondeterministic_seeded
+
+
+def dropout_p(func, args, kwargs):
+    """The `dropout_p` argument of an op that has one (attention kernels are tagged as seeded, and draw
+    only with dropout), else None."""
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == "dropout_p":
+            if kwargs and "dropout_p" in kwargs:
+                return kwargs["dropout_p"]
+            return args[i] if i < len(args) else a.default_value
+    return None
+
+
+def draws(func, args, kwargs) -> bool:
+    """Whether an ATen op draws random numbers: tagged `nondeterministic_seeded`, and with a nonzero
+    `dropout_p` where it has one (arguments as called or as recorded: `dropout_p` is a constant)."""
+    return _SEEDED in getattr(func, "tags", ()) and dropout_p(func, args, kwargs) != 0.0
 
 
 def arg(args, kwargs, index: int, name: str):

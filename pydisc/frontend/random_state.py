@@ -19,7 +19,9 @@ by the dispatcher first (`fast_demotions`). They are installed at import, as `to
 that draws nothing pays one check per call. Not covered: a generator's own methods
 (`torch.default_generator.set_state`, a `torch.Generator` passed to an op), and random numbers drawn
 eagerly (into eager tensors) between a lazy random op and the run, which come before the lazy op's
-instead of after (docs/robustness.md).
+instead of after. Those cannot be put right when the step runs, but they are not silent: a trace notes
+the generators' states at its first random op (`Trace.rng_note`), and `check_order` warns before the
+run where they moved (`metrics()["random_order_changes"]`, docs/robustness.md).
 """
 from __future__ import annotations
 
@@ -29,12 +31,14 @@ import threading
 import torch
 
 from .. import metrics as _metrics
-from .call_meta import _SEEDED, _dropout_p
+from ..diagnostics import warn_once
 from .fused import FusedStep
 from .lazy_tensor import RECORDER
+from .op_facts import draws as _op_draws
 from .segment import FAST
 
-__all__ = ["install_random_state", "pending_draws", "draws", "get_rng_state", "set_rng_state"]
+__all__ = ["install_random_state", "pending_draws", "draws", "get_rng_state", "set_rng_state", "check_order",
+           "renote"]
 
 METRICS = _metrics.METRICS
 _thread = threading.get_ident
@@ -49,8 +53,7 @@ def draws(entry) -> bool:
     fn = entry.fn
     if type(fn) is FusedStep:
         return fn.draws > 0
-    tags = getattr(fn, "tags", None)
-    return tags is not None and _SEEDED in tags and _dropout_p(fn, entry.args, entry.kwargs) != 0.0
+    return _op_draws(fn, entry.args, entry.kwargs)
 
 
 def pending_draws() -> bool:
@@ -111,3 +114,39 @@ def set_rng_state(state: torch.Tensor, device: torch.device | None = None) -> No
         _unguarded(torch.random.set_rng_state)(state)
     else:
         _unguarded(torch.cuda.random.set_rng_state)(state, device)
+
+
+ORDER_CHANGED = (
+    "pydisc: torch's random generator was used outside the step (random numbers drawn into eager tensors, "
+    "or a torch.Generator's own methods) after the step recorded random ops (dropout, randn_like of a lazy "
+    "tensor), which draw when the step runs: their numbers and the others come in another order than in "
+    "eager, so both differ from eager's (with the same distribution). For eager's numbers, draw the eager "
+    "ones before the step's random ops, or from lazy tensors (pydisc.to_lazy). Counted in "
+    "metrics()['random_order_changes']; docs/robustness.md#determinism.")
+
+
+def _state(index):
+    return torch.default_generator.get_state() if index is None else torch.cuda.default_generators[index].get_state()
+
+
+def check_order(trace) -> None:
+    """Before `trace` runs: warn where torch's generators are not where its first random op found them
+    (`Trace.rng_note`), so that its draws are not eager's. A read of the generator's state through
+    torch's functions runs the step first (the guard above): what is left is drawing, or a generator's
+    own methods, between the op and the run."""
+    note = trace.rng_note
+    if note is None:
+        return
+    for index, state in note:
+        if not torch.equal(_state(index), state):
+            METRICS.random_order_changes += 1
+            warn_once("random order", ORDER_CHANGED)
+            break
+
+
+def renote(trace, before: list | None) -> None:
+    """After a run that left part of `trace` pending (a read): its random ops left draw from here on."""
+    if before is not None and trace.entries and any(draws(e) for e in trace.entries):
+        trace.rng_note = [(index, _state(index)) for index, _ in before]
+    else:
+        trace.rng_note = None

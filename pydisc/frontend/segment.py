@@ -26,7 +26,7 @@ from .lazy_tensor import RECORDER, LazyTensor, materialize
 from .meta_keys import constant_part
 from .tensor import _make_wrapper
 from .source import user_source
-from .trace import Entry, LazyStorage, out_kind
+from .trace import Entry, LazyStorage, generator_states, out_kind
 
 __all__ = ["Segment", "FAST", "GIVE_UP_AFTER"]
 
@@ -77,6 +77,7 @@ class Segment:
         self.evaluated: dict = {}           # fid -> its value, computed for a read before the segment's end
         self.read_upto = 0                  # calls recorded at the last such read
         self.draws = 0                      # calls recorded that draw random numbers (random_state.py)
+        self.rng_note = None                # torch's generators at the first of them (Trace.rng_note)
         self.armed_by = None                # (module, its training mode) whose forward opened it (fast.arm)
         if CONFIG.gc_pause and gc.isenabled() and not RECORDER.gc_paused:
             # as for a step recorded by the dispatcher (Recorder.dispatch): no cyclic GC while it records,
@@ -300,6 +301,8 @@ class Segment:
         self.sig.append(tuple(sig))
         self.links.append((recipe.connected, recipe.random, tuple(slots)))
         if recipe.random:
+            if not self.draws:
+                self.rng_note = generator_states(self.device)
             self.draws += 1
         METRICS.fast_entries += 1
         if recipe.spec is None:
@@ -397,6 +400,8 @@ class Segment:
         METRICS.fast_demotions[reason] += 1
         self._written_done()
         FAST.note(self.armed_by, demoted=True)
+        if RECORDER.trace.rng_note is None:
+            RECORDER.trace.rng_note = self.rng_note     # (its draws are recorded again below, later)
         env = FusedStep(tuple(self.entries), len(self.externals), (), None, (),
                         self.device.type).forward(list(self.externals))
         for o in self.alive():
@@ -502,6 +507,8 @@ class Segment:
                               loss._fid if loss is not None else None, tuple(value_fids), self.device.type,
                               tuple(self.written))
             fused.evaluated, fused.read_upto, fused.draws = self.evaluated, self.read_upto, self.draws
+            if trace.rng_note is None:
+                trace.rng_note = self.rng_note
             writes = []
             for i in self.written:
                 storage = self.externals[i]._storage

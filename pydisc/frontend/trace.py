@@ -21,6 +21,7 @@ import torch
 
 __all__ = [
     "LazyStorage", "ValueRef", "RealRef", "ScalarRef", "Entry", "Trace", "grow_values", "out_kind", "storage_serial",
+    "generator_states",
 ]
 
 
@@ -148,6 +149,13 @@ class Trace:
     # (`torch.arange(T)`, made lazy only because T is symbolic): eager tensors in a concrete step
     size_only_inputs: set = field(default_factory=set)
     fused: int = 0                  # forwards the fast recorder recorded into it (FusedStep entries)
+    # torch's generators as they were when its first random op was recorded (`note_draw`): its random ops
+    # draw when it runs, so nothing else may draw in between (frontend/random_state.py checks it)
+    rng_note: list | None = None
+
+    def note_draw(self, device: torch.device) -> None:
+        if self.rng_note is None:
+            self.rng_note = generator_states(device)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -262,6 +270,7 @@ class Trace:
             if t is not None:
                 t._vid = value(vid)
                 new.tensors[t._vid] = ref
+        new.rng_note = self.rng_note
         kept_storages = {id(s) for s in new.input_storages}
         for storage in self.input_storages:
             if id(storage) not in kept_storages:
@@ -340,3 +349,13 @@ class Trace:
                     "pydisc: an eager tensor of shape %s was modified in place after a lazy op used it in "
                     "this step. Pass a copy (`t.clone()`) to the lazy computation, or call "
                     "pydisc.mark_step() before modifying it." % (tuple(t.shape),))
+
+
+def generator_states(device: torch.device) -> list:
+    """The states of the generators a step on `device` draws from: the CPU's and, on a GPU, its own (read
+    from the generators themselves: torch's module functions are guarded, random_state.py)."""
+    states = [(None, torch.default_generator.get_state())]
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        states.append((index, torch.cuda.default_generators[index].get_state()))
+    return states

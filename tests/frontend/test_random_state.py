@@ -5,6 +5,7 @@ eager on both recording paths."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -160,3 +161,39 @@ def test_gradient_checkpointing_with_dropout_trains_like_eager(reentrant: bool, 
     finally:
         fast.uninstall()
         fast.set_default(CONFIG.fast_record)
+
+
+def _noise_and_timesteps(latents: torch.Tensor, lazy: bool, eager_first: bool) -> tuple:
+    """A diffusion training step's draws: noise like the latents (a lazy random op where they are lazy)
+    and timesteps drawn into an eager tensor."""
+    torch.manual_seed(5)
+    if eager_first:
+        timesteps = torch.randint(0, 1000, (4,))
+    noise = torch.randn_like(latents)
+    if not eager_first:
+        timesteps = torch.randint(0, 1000, (4,))
+    noisy = latents + noise * timesteps[:, None]
+    if lazy:
+        pydisc.mark_step()
+    return noisy.detach().cpu(), timesteps
+
+
+def test_random_numbers_drawn_eagerly_while_a_steps_draws_wait_are_warned_of() -> None:
+    """`torch.randn_like(lazy)` draws when the step runs; `torch.randint` of an eager tensor draws at once:
+    in the step the timesteps come first, in eager the noise, so both differ from eager's. That cannot be
+    put right when the step runs, so it is said (warned once, counted), not silent; drawn in the other
+    order, the step equals eager and nothing is said."""
+    latents = torch.ones(4, 3)
+    expected = _noise_and_timesteps(latents, lazy=False, eager_first=False)
+    with pytest.warns(pydisc.PydiscWarning, match="another order than in eager"):
+        got = _noise_and_timesteps(pydisc.to_lazy(latents.clone()), lazy=True, eager_first=False)
+    assert not torch.equal(got[1], expected[1])      # (what the warning is about)
+    assert pydisc.metrics()["random_order_changes"] == 1
+
+    expected = _noise_and_timesteps(latents, lazy=False, eager_first=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", pydisc.PydiscWarning)
+        got = _noise_and_timesteps(pydisc.to_lazy(latents.clone()), lazy=True, eager_first=True)
+    torch.testing.assert_close(got[0], expected[0])
+    assert torch.equal(got[1], expected[1])
+    assert pydisc.metrics()["random_order_changes"] == 1
