@@ -73,8 +73,6 @@ class _Watch(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-
-
 def _grad_node(m: torch.Tensor):
     """The autograd node a gradient of `m` flows into (its grad_fn, or its AccumulateGrad)."""
     return m.grad_fn if m.grad_fn is not None else torch.autograd.graph.get_gradient_edge(m).node
@@ -93,9 +91,9 @@ def _reached(roots) -> set:
 
 class Recipe:
     """What one call does to arguments of given layouts, from its run on meta tensors."""
-    __slots__ = ("spec", "leaves", "outputs", "mutated", "mutated_rg", "connected", "random")
+    __slots__ = ("spec", "leaves", "outputs", "mutated", "mutated_rg", "connected", "random", "draws")
 
-    def __init__(self, spec, leaves, outputs, mutated, mutated_rg, connected, random) -> None:
+    def __init__(self, spec, leaves, outputs, mutated, mutated_rg, connected, random, draws) -> None:
         self.spec = spec            # pytree spec of the result (None: a single tensor)
         self.leaves = leaves        # the result's leaves, tensors as None
         # per tensor leaf: (leaf index, size, stride, offset, dtype, nbytes, requires_grad, alias, same,
@@ -105,7 +103,8 @@ class Recipe:
         self.mutated = mutated      # argument slots written in place
         self.mutated_rg = mutated_rg    # ... and whether each requires grad after the write
         self.connected = connected  # argument slots autograd's graph of the results reaches
-        self.random = random        # it draws random numbers (an ATen op tagged nondeterministic_seeded)
+        self.random = random        # it may draw random numbers (by its ATen ops, or by its name)
+        self.draws = draws          # it does: an ATen op of its meta run draws (frontend/random_state.py)
 
 
 def call_recipe(func, enc_args, enc_kwargs, slots: list, metas: dict, fake, device: torch.device) -> Recipe:
@@ -174,7 +173,7 @@ def call_recipe(func, enc_args, enc_kwargs, slots: list, metas: dict, fake, devi
         elif spec is None or all(not isinstance(x, _Tensor) for x in leaves):
             raise Demote("a call returning no tensor")
     return Recipe(spec, kept, tuple(outputs), mutated, mutated_rg, connected,
-                  watch.seen or _random(func))
+                  watch.seen or _random(func), watch.seen)
 
 
 def _to_meta(a, metas: dict, fake):

@@ -300,7 +300,7 @@ class Segment:
         self.entries.append((func, enc_args, enc_kwargs, tuple(out_fids), (sig[1], amp), tuple(out_leaves)))
         self.sig.append(tuple(sig))
         self.links.append((recipe.connected, recipe.random, tuple(slots)))
-        if recipe.random:
+        if recipe.draws:
             if not self.draws:
                 self.rng_note = generator_states(self.device)
             self.draws += 1
