@@ -57,6 +57,8 @@ _GRAD_FN = _Tensor.grad_fn.__get__
 _GRAD = _Tensor.grad.__get__
 _BACKWARDS = {_Tensor.backward, torch.autograd.backward}
 _REQUIRES_GRAD_ = _Tensor.requires_grad_
+_SETS_REQUIRES_GRAD = {_REQUIRES_GRAD_, _Tensor.requires_grad.__set__}
+_RAW_REQUIRES_GRAD_ = torch._C.TensorBase.requires_grad_     # (called with torch functions off)
 _READS_OF_AUTOGRAD = {_REQUIRES_GRAD, _IS_LEAF, _GRAD_FN, _GRAD}
 
 
@@ -301,7 +303,12 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
                 seg.demote(_AUTOGRAD_STATE[func])
             elif seg is not None and func not in _READS_OF_AUTOGRAD and func != _GRAD_SET:
                 seg.demote(_AUTOGRAD_STATE[func])     # a hook or requires_grad change on a parameter
-            return _default(func, args, kwargs)
+            result = _default(func, args, kwargs)
+            if func in _SETS_REQUIRES_GRAD and type(x) is LazyTensor and x._redirect is not None:
+                # set on the tensor the value stands for: its wrapper's own flag follows (Segment.demote)
+                _RAW_REQUIRES_GRAD_(x, _redirect_of(x).requires_grad)
+                return x if func == _REQUIRES_GRAD_ else result     # (`requires_grad_` returns its tensor)
+            return result
         if seg is None:
             if FAST.redirected and (_has_fast(args) or (kwargs and _has_fast(tuple(kwargs.values())))):
                 return _default(func, args, kwargs)     # values of a demoted step

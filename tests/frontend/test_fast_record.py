@@ -540,33 +540,42 @@ def test_steps_once_wrong_on_the_fast_path_equal_eager(forward, fast_recording, 
 
 
 class _CheckpointedAfterAHook(nn.Module):
-    """An embedding whose output gets a tensor hook (which demotes the forward), then a layer under a
-    non-reentrant `torch.utils.checkpoint` that takes that output and a value the forward made before."""
+    """An embedding whose output demotes the forward, then a layer under a non-reentrant
+    `torch.utils.checkpoint` that takes that output and a value the forward made before. `demote`: a tensor
+    hook on the output, or (a frozen embedding, as under LoRA) `requires_grad_()` on it, as HF's
+    `enable_input_require_grads` does for gradient checkpointing."""
 
-    def __init__(self) -> None:
+    def __init__(self, demote: str) -> None:
         super().__init__()
+        self.demote = demote
         self.emb, self.a, self.head = nn.Embedding(10, 8), nn.Linear(8, 8), nn.Linear(8, 10)
+        self.emb.weight.requires_grad_(demote == "tensor hooks")
         self.register_buffer("freq", torch.linspace(0.5, 1.5, 8))
 
     def forward(self, ids):
         cos = torch.cos(self.freq * torch.arange(ids.shape[1]).float()[:, None])
         h = self.emb(ids)
-        h.register_hook(lambda g: g * 2)
+        if self.demote == "tensor hooks":
+            h.register_hook(lambda g: g * 2)
+        else:
+            h.requires_grad_()
         h = torch.utils.checkpoint.checkpoint(lambda h, cos: h + torch.tanh(self.a(h) * cos), h, cos,
                                               use_reentrant=False)
         return self.head(h)
 
 
-def test_a_demoted_forward_under_a_non_reentrant_checkpoint_equals_eager(fast_recording) -> None:
+@pytest.mark.parametrize("demote", ["tensor hooks", "requires_grad_"])
+def test_a_demoted_forward_under_a_non_reentrant_checkpoint_equals_eager(demote: str, fast_recording) -> None:
     """The checkpoint keeps the values it is given (here a demoted forward's, which forward to their
     ATen-level tensors) and recomputes the layer from them in the backward, where torch functions are off
     and pydisc's handler does not see them: autograd took them for tensors that need no gradient, saved
     fewer tensors than in the forward, and the checkpoint raised `CheckpointError` (HF Llama with
-    `gradient_checkpointing_enable()`, whose embedding hook demotes)."""
+    `gradient_checkpointing_enable()`, whose embedding hook demoted; with LoRA's frozen embeddings that hook
+    still demotes, and makes the value require grad after the demotion)."""
     torch.manual_seed(0)
-    ref = _CheckpointedAfterAHook()
+    ref = _CheckpointedAfterAHook(demote)
     model = pydisc.lazy(copy.deepcopy(ref))
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
+    opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1) for m in (ref, model)]
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
         ids = torch.randint(0, 10, (3, 5), generator=g)
@@ -582,7 +591,7 @@ def test_a_demoted_forward_under_a_non_reentrant_checkpoint_equals_eager(fast_re
         assert losses[1] == pytest.approx(losses[0], rel=1e-5)
     for a, b in zip(ref.parameters(), model.parameters()):
         torch.testing.assert_close(b.detach(), a.detach(), rtol=1e-5, atol=1e-6)
-    assert pydisc.metrics()["fast_demotions"]["tensor hooks"] >= 1
+    assert pydisc.metrics()["fast_demotions"][demote] >= 1
 
 
 def test_two_backwards_through_a_detached_value_equal_eager(fast_recording) -> None:

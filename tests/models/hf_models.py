@@ -136,17 +136,20 @@ class Run:
 def train_side_by_side(name: str, steps: int = 5, lengths: list[int] | None = None, attn: str = "sdpa",
                        batch: int = 2, optimizer: Callable = adamw, device: str = "cpu",
                        autocast: torch.dtype | None = None, read_in_step: bool = False,
-                       checkpointing: bool = False) -> Run:
+                       checkpointing: bool = False, frozen_embeddings: bool = False) -> Run:
     """Train MODELS[name] eagerly and under pydisc from the same weights on the same batches (one
     length per step: `lengths`, default 12 throughout), both on `device`, the forward under
     `torch.autocast(device, autocast)` if given; with `read_in_step`, as training scripts log: the loss
     read and the gradients clipped (`clip_grad_norm_`, its norm read) between backward() and the step;
-    with `checkpointing`, HF's gradient checkpointing on."""
+    with `checkpointing`, HF's gradient checkpointing on; with `frozen_embeddings`, the input embeddings
+    frozen."""
     lengths = lengths or [12] * steps
     torch.manual_seed(0)
     eager = MODELS[name](attn).train().to(device)
     if checkpointing:       # as fine-tuning scripts save memory: HF's default (torch.utils.checkpoint)
         eager.gradient_checkpointing_enable()
+    if frozen_embeddings:   # as adapters (LoRA) train: the embeddings' output then needs no gradient
+        eager.get_input_embeddings().weight.requires_grad_(False)
     lazy = pydisc.lazy(copy.deepcopy(eager))
     opt_e, opt_l = optimizer(eager.parameters()), optimizer(lazy.parameters())
     pydisc.reset_metrics()

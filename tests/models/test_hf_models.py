@@ -54,8 +54,9 @@ def test_hf_model_logged_and_clipped_inside_the_step_trains_like_eager(fast: boo
     assert run.metrics["compile_failures"] == {}
 
 
-@pytest.mark.parametrize("name", ["gpt2_dropout", "llama"])
-def test_hf_model_with_gradient_checkpointing_trains_like_eager(name: str, compile_on_second_sighting,
+@pytest.mark.parametrize("name,frozen", [("gpt2_dropout", False), ("llama", False), ("llama", True)],
+                         ids=["gpt2_dropout", "llama", "llama-frozen-embeddings"])
+def test_hf_model_with_gradient_checkpointing_trains_like_eager(name: str, frozen: bool, compile_on_second_sighting,
                                                                fresh_plans) -> None:
     """As fine-tuned to save memory: `gradient_checkpointing_enable()` (a non-reentrant
     `torch.utils.checkpoint` per layer) and, for GPT-2, dropout 0.1. Before:
@@ -67,12 +68,15 @@ def test_hf_model_with_gradient_checkpointing_trains_like_eager(name: str, compi
     - Llama: `CheckpointError`. HF's hook that makes the embeddings' output require grad demoted the
       fast-recorded forward, and the recomputation met the demoted forward's values without pydisc's
       handler. That hook is now eager's no-op on the fast path (the forward stays there), and such values
-      carry their targets' `requires_grad` (test_fast_record.py has both)."""
-    run = hf_models.train_side_by_side(name, steps=4, checkpointing=True)
+      carry their targets' `requires_grad` (test_fast_record.py has both);
+    - Llama with frozen embeddings (as LoRA trains): the hook still demotes (the output needed no gradient)
+      and makes the value require grad after the demotion: `CheckpointError` until its wrapper's flag
+      followed that too."""
+    run = hf_models.train_side_by_side(name, steps=4, checkpointing=True, frozen_embeddings=frozen)
     hf_models.assert_trains_like_eager(run)
     if name == "gpt2_dropout":
         assert run.metrics["random_state_runs"] > 0
-    else:     # (torch 2.11's non-reentrant checkpoint saves its inputs with an autograd.Function, which demotes)
+    elif not frozen:  # (torch 2.11's non-reentrant checkpoint saves its inputs with an autograd.Function: demotes)
         assert "requires_grad_" not in run.metrics["fast_demotions"]
     assert run.metrics["compile_failures"] == {}
 
