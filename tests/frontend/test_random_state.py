@@ -27,7 +27,9 @@ def _fresh() -> None:
 
 
 def _between(kind: str) -> None:
-    """What code does with torch's generator between two dropouts of one step."""
+    """What code does with torch's generator between two dropouts of one step; the state it reads first
+    (what code that saves the state mid-step gets) is kept in `_SEEN`."""
+    _SEEN[:] = [torch.get_rng_state()]
     if kind == "reseed":
         torch.manual_seed(99)
     elif kind == "rewind":
@@ -39,6 +41,7 @@ def _between(kind: str) -> None:
 
 
 _SAVED: list = []
+_SEEN: list = []
 
 
 def _two_dropouts(model: nn.Module, kind: str, lazy: bool) -> torch.Tensor:
@@ -51,23 +54,25 @@ def _two_dropouts(model: nn.Module, kind: str, lazy: bool) -> torch.Tensor:
     out = torch.stack([first, second])
     if lazy:
         pydisc.mark_step()
-    return out.detach()
+    return out.detach(), _SEEN[0]
 
 
 @pytest.mark.parametrize("fast_record", [True, False], ids=["fast", "dispatch"])
 @pytest.mark.parametrize("kind", ["reseed", "rewind", "fork"])
 def test_the_generator_reseeded_or_rewound_mid_step_gives_eagers_numbers(kind: str, fast_record: bool) -> None:
     """Without the guard the masks were drawn at mark_step from the state set last: a reseed or a rewind
-    between the two dropouts gave other masks than eager's, silently."""
+    between the two dropouts gave other masks than eager's, silently; and the state read between them
+    (what `fork_rng` or a checkpoint saves) was the one before the first dropout's draw."""
     torch.manual_seed(0)
     ref = nn.Linear(6, 6)
     model = pydisc.lazy(copy.deepcopy(ref), fast_record=fast_record)
     try:
         for _ in range(2):      # the first step runs eagerly (a first sighting), the second compiled
-            expected = _two_dropouts(ref, kind, lazy=False)
-            got = _two_dropouts(model, kind, lazy=True)
+            expected, expected_seen = _two_dropouts(ref, kind, lazy=False)
+            got, seen = _two_dropouts(model, kind, lazy=True)
             assert torch.equal(got != 0, expected != 0)
             torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+            assert torch.equal(seen, expected_seen)     # the state read mid-step: after the first dropout
             # and the generator is where eager leaves it
             torch.testing.assert_close(get_rng_state(), _after(ref, kind), rtol=0, atol=0)
         m = pydisc.metrics()
