@@ -44,7 +44,7 @@ _SAVED: list = []
 _SEEN: list = []
 
 
-def _two_dropouts(model: nn.Module, kind: str, lazy: bool) -> torch.Tensor:
+def _two_dropouts(model: nn.Module, kind: str, lazy: bool) -> tuple[torch.Tensor, torch.Tensor]:
     torch.manual_seed(7)
     x = torch.ones(4, 6)
     _SAVED[:] = [torch.get_rng_state()]
