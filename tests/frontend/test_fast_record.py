@@ -572,25 +572,14 @@ def test_a_demoted_forward_under_a_non_reentrant_checkpoint_equals_eager(demote:
     fewer tensors than in the forward, and the checkpoint raised `CheckpointError` (HF Llama with
     `gradient_checkpointing_enable()`, whose embedding hook demoted; with LoRA's frozen embeddings that hook
     still demotes, and makes the value require grad after the demotion)."""
-    torch.manual_seed(0)
-    ref = _CheckpointedAfterAHook(demote)
-    model = pydisc.lazy(copy.deepcopy(ref))
-    opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1) for m in (ref, model)]
-    g = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        ids = torch.randint(0, 10, (3, 5), generator=g)
-        losses = []
-        for m, opt in zip((ref, model), opts):
-            loss = F.cross_entropy(m(ids).flatten(0, 1), ids.flatten())
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            if m is model:
-                pydisc.mark_step()
-            losses.append(float(loss.detach()))
-        assert losses[1] == pytest.approx(losses[0], rel=1e-5)
-    for a, b in zip(ref.parameters(), model.parameters()):
-        torch.testing.assert_close(b.detach(), a.detach(), rtol=1e-5, atol=1e-6)
+    def forward(m, ids, labels):
+        loss = F.cross_entropy(m(ids).flatten(0, 1), labels.flatten())
+        loss.backward()
+        return loss
+
+    losses, lazy_losses, ref, model = _train(lambda: _CheckpointedAfterAHook(demote), forward, steps=3,
+                                             batch=lambda g: (torch.randint(0, 10, (3, 5), generator=g),) * 2)
+    _assert_same(ref, model, losses, lazy_losses)
     assert pydisc.metrics()["fast_demotions"][demote] >= 1
 
 
