@@ -9,7 +9,7 @@ import pydisc
 from pydisc.driver import background
 from pydisc.config import CONFIG
 from pydisc.driver.step import clear_plans
-from pydisc.frontend.segment import FAST
+from pydisc.frontend.fast_state import FAST
 
 
 @pytest.fixture

@@ -30,7 +30,8 @@ from ..config import applies
 from .lazy_tensor import RECORDER, LazyTensor, materialize
 from .symbolic import own_modes
 from .fused import Demote, FusedStep
-from .segment import FAST, GIVE_UP_AFTER, Segment
+from .fast_state import FAST, GIVE_UP_AFTER
+from .segment import Segment
 
 __all__ = ["install", "uninstall", "installed", "arm", "flush", "read", "resolve", "refuse", "set_gate",
            "set_default", "FusedStep"]

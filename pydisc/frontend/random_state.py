@@ -35,7 +35,7 @@ from ..diagnostics import warn_once
 from .fused import FusedStep
 from .lazy_tensor import RECORDER
 from .op_facts import draws as _op_draws
-from .segment import FAST
+from .fast_state import FAST
 
 __all__ = ["install_random_state", "pending_draws", "draws", "get_rng_state", "set_rng_state", "check_order",
            "renote"]

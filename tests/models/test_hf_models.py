@@ -45,7 +45,7 @@ def test_hf_model_logged_and_clipped_inside_the_step_trains_like_eager(fast: boo
     """The loss read and the gradients clipped between backward() and the optimizer step, before
     mark_step(), as training scripts do, with the default PYDISC_COMPILE_AFTER: the values read and the
     training are eager's. (On the fast recorder the first run of a new step graph raised at the read.)"""
-    from pydisc.frontend.segment import FAST
+    from pydisc.frontend.fast_state import FAST
 
     monkeypatch.setattr(FAST, "default", "all" if fast else "off")
     run = hf_models.train_side_by_side("gpt2", steps=4, read_in_step=True)
