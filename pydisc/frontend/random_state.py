@@ -37,7 +37,7 @@ from .lazy_tensor import RECORDER
 from .op_facts import draws as _op_draws
 from .fast_state import FAST
 
-__all__ = ["install_random_state", "pending_draws", "draws", "get_rng_state", "set_rng_state", "check_order",
+__all__ = ["install_random_state", "pending_draws", "entry_draws", "get_rng_state", "set_rng_state", "check_order",
            "renote"]
 
 METRICS = _metrics.METRICS
@@ -48,7 +48,7 @@ _READ_OR_SET = ("get_rng_state", "set_rng_state", "manual_seed", "seed")
 _CUDA_READ_OR_SET = _READ_OR_SET + ("get_rng_state_all", "set_rng_state_all", "manual_seed_all", "seed_all")
 
 
-def draws(entry) -> bool:
+def entry_draws(entry) -> bool:
     """Whether a trace entry draws random numbers when the step runs."""
     fn = entry.fn
     if type(fn) is FusedStep:
@@ -62,7 +62,7 @@ def pending_draws() -> bool:
     if seg is not None and seg.draws and FAST.owner == _thread():
         return True
     entries = RECORDER.trace.entries
-    return bool(entries) and any(draws(e) for e in entries)
+    return bool(entries) and any(entry_draws(e) for e in entries)
 
 
 def _make_pending_draws() -> None:
@@ -71,7 +71,7 @@ def _make_pending_draws() -> None:
         if seg is not None and seg.draws and FAST.owner == _thread():
             with torch._C.DisableTorchFunctionSubclass():
                 seg.demote("the random generator's state read or set")     # its calls, draws included, join the trace
-        if any(draws(e) for e in RECORDER.trace.entries):
+        if any(entry_draws(e) for e in RECORDER.trace.entries):
             METRICS.random_state_runs += 1
             RECORDER.run(None, "random state")
 
@@ -146,7 +146,7 @@ def check_order(trace) -> None:
 
 def renote(trace, before: list | None) -> None:
     """After a run that left part of `trace` pending (a read): its random ops left draw from here on."""
-    if before is not None and trace.entries and any(draws(e) for e in trace.entries):
+    if before is not None and trace.entries and any(entry_draws(e) for e in trace.entries):
         trace.rng_note = [(index, _state(index)) for index, _ in before]
     else:
         trace.rng_note = None
