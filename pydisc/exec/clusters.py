@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
+from collections import OrderedDict
 from typing import Callable
 
 import torch
@@ -22,6 +24,39 @@ from .compiler import forget_module, text_hash
 from .errors import DeviceOutOfMemoryError, is_out_of_memory
 
 __all__ = ["CompiledCluster", "CompiledRegion"]
+
+
+class _Pools:
+    """The clusters whose output pools are kept (`CompiledCluster._outputs`): the `LIMIT` called last. A
+    step's plan calls a few; a plan not called lately (another shape's, an evaluation's) gives its pool up,
+    so that dead outputs of many plans do not pile up."""
+
+    LIMIT = 8
+
+    def __init__(self) -> None:
+        self.recent: OrderedDict[int, weakref.ref] = OrderedDict()
+
+    def use(self, cluster: "CompiledCluster") -> None:
+        key = id(cluster)
+        ref = self.recent.get(key)
+        if ref is not None and ref() is cluster:
+            self.recent.move_to_end(key)
+            return
+        self.recent.pop(key, None)      # (a cluster that is gone, whose id a new one has)
+        self.recent[key] = weakref.ref(cluster)
+        while len(self.recent) > self.LIMIT:
+            old = self.recent.popitem(last=False)[1]()
+            if old is not None:
+                old.pool = None
+
+
+POOLS = _Pools()
+
+
+def _storage_users(t: torch.Tensor) -> int:
+    """How many tensors (C++ ones included: autograd's saved tensors, DLPack exports of views) use `t`'s
+    memory, `t` itself counted (the storage object made here to ask is not)."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) - 1
 
 
 class CompiledCluster(torch.nn.Module):
@@ -57,6 +92,9 @@ class CompiledCluster(torch.nn.Module):
         self.run_at_once = False      # run even where the plan's calls are collected (driver/inflight.py)
         # per output: the tensor it is written into at every call, or None (a new one each call): `keep_outputs`
         self.kept: list | None = None
+        # per output of a CPU cluster of static sizes: (the tensor IREE wrote it into at the last call, that
+        # memory as IREE takes it), or None: `_outputs`
+        self.pool: list | None = None
 
     def forward(self, *inputs):
         if self.eager_faster:
@@ -102,15 +140,12 @@ class CompiledCluster(torch.nn.Module):
 
     def run_compiled(self, inputs) -> list:
         try:
-            if self.prepare is None:
-                device, kept = self.device, self.kept
-                if kept is None:
-                    outs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.specs]
-                else:
-                    outs = [t if t is not None else torch.empty(shape, dtype=dtype, device=device)
-                            for t, (shape, dtype) in zip(kept, self.specs)]
-                results = outs
-                self.compiled.run(inputs, outs, fresh=True)
+            if self.prepare is None and self.device.type == "cpu":
+                results, views = self._outputs()
+                self.compiled.run(inputs, results, fresh=True, views=views)
+            elif self.prepare is None:
+                results = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self.specs]
+                self.compiled.run(inputs, results, fresh=True)
             else:
                 arguments, outs, results = self.prepare(inputs)
                 self.compiled.run(arguments, outs)
@@ -120,6 +155,35 @@ class CompiledCluster(torch.nn.Module):
             forget_module(self.compiled)   # neither this process nor the next loads these bytes again
             raise
         return results
+
+    def _outputs(self) -> tuple[list, list]:
+        """The tensors a call writes its outputs into, and their memory as IREE takes it: on the CPU the
+        memory of the last call's outputs again where nothing holds them any more (a training step's
+        gradients and activations, dropped by `zero_grad` and the backward), or the kept ones
+        (`keep_outputs`), their imports made once; else new tensors. (An allocation and an import cost
+        2-4 us per output of a transformer block's ~40, more than a step's other work on them; a result
+        is handed out as an alias of the pooled tensor, so the pool sees from the memory's use count
+        alone, without Python references, whether anything still reads it.)"""
+        POOLS.use(self)
+        pool = self.pool
+        if pool is None:
+            pool = self.pool = [None] * len(self.specs)
+        kept = self.kept
+        results, views = [], []
+        for i, (shape, dtype) in enumerate(self.specs):
+            entry = pool[i]
+            if kept is not None and kept[i] is not None:
+                if entry is None or entry[0] is not kept[i]:
+                    entry = pool[i] = (kept[i], self.compiled.import_output(kept[i]))
+                results.append(kept[i])     # (the caller copies it elsewhere before the next call)
+                views.append(entry[1])
+                continue
+            if entry is None or _storage_users(entry[0]) != 1:
+                base = torch.empty(shape, dtype=dtype, device=self.device)
+                entry = pool[i] = (base, self.compiled.import_output(base))
+            results.append(entry[0].detach())
+            views.append(entry[1])
+        return results, views
 
     def measure(self, inputs):
         """Time this cluster compiled and its ops run eagerly, on the same inputs (twice each, taking

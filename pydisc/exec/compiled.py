@@ -67,10 +67,12 @@ class CompiledModule:
     def __repr__(self) -> str:
         return f"CompiledModule({self.name}, device={self.device}, staged_outputs={self.staged_outputs})"
 
-    def run(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], fresh: bool = False) -> None:
+    def run(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], fresh: bool = False,
+            views: Sequence | None = None) -> None:
         """Run `main(*inputs, *outputs)`; IREE writes result N into outputs[N]. Inputs are never written.
         `fresh`: the outputs are dense tensors no input shares memory with (the caller allocated them, or
-        kept them from its last call and nothing else holds them), which needs no checking."""
+        kept them from its last call and nothing else holds them), which needs no checking. `views`: per
+        output, its memory as `import_output` gave it at an earlier call (the same memory), or None."""
         cuda_index = self._cuda_index
         if cuda_index is not None:
             # IREE's CUDA driver switches the thread's current context (to the last device it used) and
@@ -84,12 +86,12 @@ class CompiledModule:
                 # (inputs) and reads (the memory handed out as outputs) first.
                 torch.cuda.current_stream(cuda_index).synchronize()
             try:
-                self._invoke(inputs, outputs, fresh)
+                self._invoke(inputs, outputs, fresh, views)
             except Exception as e:
                 if self.staged_outputs or "DISCARD_WRITE" not in str(e):
                     raise
                 self.staged_outputs = True
-                self._invoke(inputs, outputs, fresh)  # safe to repeat: inputs are read-only, outputs overwritten
+                self._invoke(inputs, outputs, fresh, None)  # safe to repeat: inputs are read-only, outputs overwritten
         except Exception as e:  # IREE raises RuntimeError or ValueError; torch may raise too
             raise self._execution_error(e, inputs, outputs) from e
         finally:
@@ -97,15 +99,23 @@ class CompiledModule:
                 _set_device(previous)
         METRICS.executions += 1
 
-    def _invoke(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], fresh: bool) -> None:
-        call = self._prepare(inputs, outputs, fresh)
+    def import_output(self, t: torch.Tensor):
+        """`t`'s memory as this module's calls take an output (`run`'s `views`), where a dense CPU tensor
+        can be handed over as it is; None where each call must stage it (`staged_outputs`)."""
+        if self.staged_outputs or self._on_cuda or not is_dense(t):
+            return None
+        return self._import(to_dlpack(t))
+
+    def _invoke(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], fresh: bool,
+                views: Sequence | None = None) -> None:
+        call = self._prepare(inputs, outputs, fresh, views)
         if _COLLECTING.calls is not None:
             _COLLECTING.calls.append(call)
             return
         call.invoke()
 
     def _prepare(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
-                 fresh: bool = False) -> PreparedCall:
+                 fresh: bool = False, views: Sequence | None = None) -> PreparedCall:
         imp = self._import
         held: list = []     # what the imported buffers point into, alive until the call has run
         args = ireert.VmVariantList(len(inputs) + len(outputs))
@@ -132,7 +142,10 @@ class CompiledModule:
             args.push_ref(imp(to_dlpack(t)))
         copy_back: list = []
         staged = self.staged_outputs
-        for o in outputs:
+        if views is not None and not staged:     # (fresh outputs, some imported before)
+            for o, view in zip(outputs, views):
+                args.push_ref(view if view is not None else imp(to_dlpack(o)))
+        for o in outputs if views is None or staged else ():
             if not fresh and not is_dense(o):
                 dense = dense_copy(o)
                 copy_back.append(_DenseOutput(o, dense))

@@ -237,7 +237,7 @@ def test_runtime_error_in_compiled_cluster_falls_back(monkeypatch, fresh_plans):
     # from step 1 on every compiled cluster fails at run time
     runs = []
 
-    def broken_run(self, inputs, outputs, fresh=False):
+    def broken_run(self, inputs, outputs, fresh=False, views=None):
         runs.append(self)
         raise pexec.ExecutionError("injected runtime failure")
     monkeypatch.setattr(CompiledModule, "run", broken_run)
@@ -275,7 +275,7 @@ def test_runtime_error_leaves_inputs_untouched_until_results_exist(monkeypatch, 
     pydisc.mark_step()
     x = x * 3 + 1
 
-    def half_written(self, inputs, outputs, fresh=False):
+    def half_written(self, inputs, outputs, fresh=False, views=None):
         for o in outputs:          # scribble into the outputs, then fail
             o.fill_(12345.0)
         raise pexec.ExecutionError("fails after writing its outputs")

@@ -234,8 +234,10 @@ class DirectModule:
 
     # -- per call ---------------------------------------------------------------------------------------
 
-    def run(self, inputs: Sequence, outputs: Sequence[torch.Tensor], fresh: bool = False) -> None:
-        """As `CompiledModule.run`: `fresh`, the outputs are dense and share no input's memory."""
+    def run(self, inputs: Sequence, outputs: Sequence[torch.Tensor], fresh: bool = False,
+            views: Sequence | None = None) -> None:
+        """As `CompiledModule.run`: `fresh`, the outputs are dense and share no input's memory. (`views`, the
+        CPU's imports of outputs made once, `CompiledModule.import_output`: none here.)"""
         buffers = [*inputs, *outputs]
         if len(buffers) != self.schedule.arguments:
             raise ExecutionError("@main of %s takes %d arguments (inputs and outputs), got %d inputs and %d "
