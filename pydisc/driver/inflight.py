@@ -68,18 +68,22 @@ __all__ = ["InFlight", "Worker", "deferrable", "user_memory", "start", "wait"]
 # MLP 1.57-1.65x, 1.42-1.44x, 1.38-1.41x; the block 1.18x, 1.08-1.15x, 1.09-1.13x; HF GPT-2 tiny with
 # dropout 1.64x, 1.61x, 1.67x, where without the worker 1.65x).
 SWITCH_INTERVAL = 0.00005
+# how long `start` waits for the worker to take a job, in seconds
+_START_TIMEOUT = 0.5
 
 
 class InFlight:
     """One plan run on the worker: `job()` there; `finish(results, error)` on the main thread at `wait`."""
 
-    __slots__ = ("job", "finish", "done", "results", "error")
+    __slots__ = ("job", "finish", "done", "started", "results", "error")
 
     def __init__(self, job: Callable[[], list], finish: Callable[[list | None, BaseException | None], None]):
         self.job = job
         self.finish = finish
         self.done = threading.Lock()    # held until the job has run (a lock costs 0.5 us to make, an Event 5)
         self.done.acquire()
+        self.started = threading.Lock()     # held until the worker has taken the job (`start`)
+        self.started.acquire()
         self.results: list | None = None
         self.error: BaseException | None = None
 
@@ -95,6 +99,7 @@ class Worker:
     def _loop(self) -> None:
         while True:
             run = self.jobs.get()
+            run.started.release()
             try:
                 run.results = run.job()
             except BaseException as exc:    # handed to the main thread, raised or handled there
@@ -173,6 +178,23 @@ def start(job: Callable[[], list], finish: Callable[[list | None, BaseException 
     RECORDER.in_flight = wait
     METRICS.async_runs += 1
     ENGINE.worker.jobs.put(run)
+    # Wait (without the GIL) until the worker has taken the job. The worker needs the GIL to take it, and
+    # a thread that waits for the GIL while this one runs Python gets it only after a switch interval and
+    # two thread wake-ups: a job started 0.12-0.18 ms after it was handed over (at times 0.5 ms, 2-core
+    # VM), late for a step of the MLP of bench/record_overhead.py, whose run (0.38 ms) then outlasted the
+    # next step's recording. Waiting costs this thread about one wake-up of each (~0.05 ms); the worker
+    # lets the GIL go as its first IREE call begins. (Steps of the MLP 1.04-1.10 -> 0.74-0.86 ms, of the
+    # transformer block 2.0-2.3 -> 1.78-1.85 ms.) Not for ever: a job the worker has not taken by then is
+    # waited for at `wait`, as any.
+    interrupted = None
+    while True:
+        try:
+            run.started.acquire(timeout=_START_TIMEOUT)
+            break
+        except BaseException as exc:    # KeyboardInterrupt: raised once the worker has the job
+            interrupted = exc
+    if interrupted is not None:
+        raise interrupted
 
 
 def wait(reason: str = "wait") -> None:
