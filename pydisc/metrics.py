@@ -58,7 +58,7 @@ class Metrics:
     lookup_seconds: float = 0.0       # finding the plan of each step (structural key + dict lookup)
     async_runs: int = 0               # compiled CPU steps run on the worker thread while the next recorded (PYDISC_ASYNC)
     async_waits: Counter = field(default_factory=Counter)       # what waited for such a run -> count
-    async_wait_seconds: float = 0.0   # time the main thread spent waiting for them
+    async_wait_seconds: float = 0.0   # time the main thread spent waiting for them (and for the worker to take each)
     dynamic_templates: int = 0        # steps recorded with symbolic sizes and planned as templates
     dynamic_matches: int = 0          # new step structures served by a template (no compile)
     dynamic_eager_steps: int = 0      # steps run eagerly because an input dim changed size
