@@ -84,8 +84,8 @@ def run_pending(target: LazyTensor | None = None, reason: str = "mark_step") -> 
     step (and optimizers their eager step counters, `optimizer_state`), results of the abandoned one can
     no longer be read, and the next step starts clean."""
     with RECORDER.lock:
-        if reason == "mark_step":
-            fast.flush()        # a forward recorded at __torch_function__ with no backward
+        # (flush: a forward recorded at __torch_function__ with no backward)
+        demoted = fast.flush() if reason == "mark_step" else False
         inflight.wait(reason)   # the step before, where it still runs on the worker: its results are inputs
         if background.pending():
             background.collect()
@@ -129,7 +129,8 @@ def run_pending(target: LazyTensor | None = None, reason: str = "mark_step") -> 
             optimizer_state.completed()
         if reason == "mark_step" and target is None:
             background.note_step()
-            step_choice.after_mark_step(*(ran[:3] if ran else (None, False, None)), recorded, fused, off_path)
+            step_choice.after_mark_step(*(ran[:3] if ran else (None, False, None)), recorded, fused,
+                                        off_path or demoted)
         elif ran is not None:
             step_choice.note_read_run(*ran[:3], recorded, fused)
         pairs = RECORDER.grad_inputs if reason == "mark_step" else []

@@ -82,8 +82,11 @@ def after_mark_step(key, cached: bool, device: torch.device | None, recorded: fl
     """Called at the end of each `mark_step()`: `key` says which plan the step ran (None: nothing ran, or
     a plan not reusable), `cached` whether it came from the plan cache, `recorded` the seconds the
     step spent recording ops (less meta kernels; 0: it recorded none), `fused` whether the fast
-    recorder recorded its forward, `off_path` whether it was recorded op by op only because its input
-    sizes were new (dynamic.py: the steps of sizes seen before record fast)."""
+    recorder recorded its forward, `off_path` whether its recording is not what the steps to come will
+    cost: recorded op by op only because its input sizes were new (dynamic.py: the steps of sizes seen
+    before record fast), or recorded twice, fast and then op by op, because the fast recorder gave up on
+    its forward midway (the steps to come record fast again, or op by op from the start once a module's
+    forwards were given up on: fast.arm)."""
     s = ENGINE.choice
     if s.several_threads and not (s.phase == "decided" and s.kept_compiled is None):
         _several_threads(s)

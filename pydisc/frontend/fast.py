@@ -248,8 +248,9 @@ def _set_data(t: LazyTensor, value):
     return _resolved(t), _resolved(value)
 
 
-def flush() -> None:
-    """At mark_step: the open segment (a forward with no backward) becomes an entry of the trace."""
+def flush() -> bool:
+    """At mark_step: the open segment (a forward with no backward) becomes an entry of the trace. Returns
+    whether a segment of this thread's step was demoted (its forward recorded twice: step_choice.py)."""
     me = _thread()
     owner = FAST.owner
     if owner == me:
@@ -261,11 +262,14 @@ def flush() -> None:
                 except Demote as exc:
                     seg.demote(str(exc))
     elif owner is not None:
-        return          # another thread's forward is being recorded: it ends with its own backward or mark
+        return False    # another thread's forward is being recorded: it ends with its own backward or mark
+    demoted = False
     with FAST.lock:
         if FAST.owner is None or FAST.owner == me:
+            demoted = FAST.demoted
             FAST.demoted = FAST.armed = False
     park()
+    return demoted
 
 
 def _default(func, args, kwargs):

@@ -504,6 +504,52 @@ def test_the_probe_skips_steps_of_new_sizes_until_they_keep_coming(step_choice_c
     step_choice.reset()
 
 
+class _HookedMLP(torch.nn.Module):
+    """A forward the fast recorder gives up on midway (a tensor hook on an activation, as gradient
+    probes and some regularisers add): such a step records fast, then again op by op."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if h.requires_grad:
+            h.register_hook(lambda g: g * 1.0)
+        return self.b(h)
+
+
+def test_the_probe_skips_steps_the_fast_recorder_gave_up_on_midway(step_choice_cpu, monkeypatch):
+    # A step whose forward was demoted recorded it twice: not what the steps to come cost (they record
+    # op by op from the start once the module was given up on, fast.arm). The probe, which compares a
+    # step's recording with a plain eager step, times a step that was not demoted. (Before, it timed the
+    # second demoted step: a hooked MLP's recording 2.73 ms against 1.55 ms for the steps after it.)
+    from pydisc.driver import step_choice
+    from pydisc.frontend.fast_state import GIVE_UP_AFTER
+
+    monkeypatch.setattr(step_choice, "PROBE_AFTER", 2)
+    probed = []     # the demotions so far at each probe, and before its step began
+    before = [0]
+    monkeypatch.setattr(step_choice, "_start_probe", lambda s, recorded, device: probed.append(
+        (sum(pydisc.metrics()["fast_demotions"].values()), before[0])))
+    step_choice.reset()
+    pydisc.reset_metrics()
+    torch.manual_seed(0)
+    model = pydisc.lazy(_HookedMLP(), fast_record=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(GIVE_UP_AFTER + 3):
+        before[0] = sum(pydisc.metrics()["fast_demotions"].values())
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        pydisc.mark_step()
+    step_choice.reset()
+    assert pydisc.metrics()["fast_demotions"]["tensor hooks"] == GIVE_UP_AFTER
+    assert len(probed) == 1
+    at_probe, before_its_step = probed[0]
+    assert at_probe == before_its_step == GIVE_UP_AFTER     # the probed step demoted nothing
+
+
 def _faked_steps(monkeypatch, device: torch.device):
     """The step choice on fake clocks, nothing released: (the clock, `steps(n, compiled, eager, plan)`,
     which runs n steps, each `compiled` or `eager` seconds by the mode it runs in, and returns the modes)."""
