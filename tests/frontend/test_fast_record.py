@@ -1278,3 +1278,30 @@ def test_every_cause_of_demotion_has_a_test() -> None:
         else:           # (with its decorators, where its cases are)
             source = inspect.getsource(globals()[name])
         assert reason.split("%s")[0] in source, (reason, test)
+
+
+def test_which_parameters_get_gradients_follows_requires_grad_changed_between_steps(fast_recording) -> None:
+    """The same forward, its calls and their order unchanged, with a layer frozen for two steps and then
+    trained again (as fine-tuning schedules unfreeze): the frozen layer's parameters get no gradient and
+    keep their values, as in eager; the others train as eager does. (`Segment.leaves` is kept per calls
+    and their recipes, which hold whether each argument requires grad.)"""
+    def forward(m, x, y):
+        step = len(forward.grads.setdefault(id(m), []))
+        m.qkv.requires_grad_(step not in (2, 3))
+        loss = F.cross_entropy(m(x), y)
+        loss.backward()
+        grads = [None if p.grad is None else p.grad.detach().clone().cpu() for p in m.qkv.parameters()]
+        forward.grads[id(m)].append(grads)
+        return loss
+
+    forward.grads = {}
+    losses, lazy_losses, ref, model = _train(Block, forward, steps=6)
+    _assert_same(ref, model, losses, lazy_losses)
+    eager_grads, lazy_grads = forward.grads[id(ref)], forward.grads[id(model)]
+    assert [[g is None for g in step] for step in lazy_grads] == [[g is None for g in step] for step in eager_grads]
+    assert all(g is None for step in lazy_grads[2:4] for g in step)
+    for step_e, step_l in zip(eager_grads, lazy_grads):
+        for a, b in zip(step_e, step_l):
+            if a is not None:
+                torch.testing.assert_close(b, a)
+    assert pydisc.metrics()["fast_demotions"] == {}
