@@ -278,7 +278,7 @@ class Trace:
         return new
 
     def add_real_input(self, t: torch.Tensor) -> RealRef:
-        if t.requires_grad:
+        if t.requires_grad or t.numel() == 1:
             return self._snapshot(t)
         index = self.real_index.get(id(t))
         if index is None:
@@ -292,7 +292,11 @@ class Trace:
         """An eager tensor that requires grad (a parameter outside the lazy model: a loss weight, a
         temperature) is read as a copy of its value now, as eager's op and the backward it saves it for
         read it: its optimizer writes it in place before the step runs, with no op of pydisc's (Adam's
-        update of it is eager code alone). A copy per value it has in the step (its version)."""
+        update of it is eager code alone). So is an eager tensor of one element, which code updates in
+        place after a lazy op read it, within the step, more often than not: `torch.optim.ASGD`'s
+        per-parameter `eta` and `mu` (its step reads them, then writes their next values), a tensor
+        learning rate that an LR scheduler fills after `optimizer.step()`. A copy per value it has in the
+        step (its version); larger eager tensors are read by reference (`check_real_inputs`)."""
         found = self.snapshots.get(id(t))
         if found is not None and found[0] is t and found[1] == t._version:
             return RealRef(found[2])

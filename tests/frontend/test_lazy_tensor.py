@@ -146,6 +146,23 @@ def test_an_eager_tensor_written_with_a_lazy_value_after_a_lazy_op_read_it():
     torch.testing.assert_close(buf, torch.arange(3.0) + 1)
 
 
+def test_a_one_element_eager_tensor_is_read_at_the_op_as_eager_reads_it():
+    """Code that updates a one-element eager tensor in place after a lazy op read it, within the step
+    (`torch.optim.ASGD`'s `eta` and `mu`, a tensor learning rate an LR scheduler fills): each lazy op
+    reads the value it had at the op, as in eager (the step was refused at mark_step, "modified in
+    place after a lazy op used it", and `ASGD` could not train a lazy model)."""
+    scale = torch.ones(())
+    lx = lazy(torch.arange(3.0))
+    first = lx * scale
+    scale.add_(1)
+    second = lx * scale
+    scale.mul_(10)
+    pydisc.mark_step()
+    assert_same(first, torch.arange(3.0))
+    assert_same(second, torch.arange(3.0) * 2)
+    assert scale.item() == 20.0
+
+
 def test_eager_tensor_modified_after_capture_is_refused():
     x = torch.ones(3)
     lx = lazy(torch.ones(3))

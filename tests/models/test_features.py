@@ -126,6 +126,8 @@ OPTIMIZERS = {
     "sgd_momentum_nesterov": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-4),
     "adam_foreach": lambda p: torch.optim.Adam(p, lr=1e-2, foreach=True),
     "adam_no_foreach": lambda p: torch.optim.Adam(p, lr=1e-2, foreach=False),
+    # its step reads its per-parameter one-element `eta` and `mu`, then writes their next values
+    "asgd": lambda p: torch.optim.ASGD(p, lr=1e-2, t0=2, weight_decay=1e-3),
 }
 
 
@@ -576,7 +578,7 @@ def test_eager_input_modified_after_its_consumer_already_ran() -> None:
 def test_failed_step_does_not_poison_later_steps() -> None:
     _run_isolated("""
         import torch, pydisc
-        x = torch.ones(())
+        x = torch.ones(3)
         a = pydisc.to_lazy(torch.ones(3)) * x
         x.add_(1)
         try:
