@@ -145,21 +145,22 @@ class CompiledModule:
         if views is not None and not staged:     # (fresh outputs, some imported before)
             for o, view in zip(outputs, views):
                 args.push_ref(view if view is not None else imp(to_dlpack(o)))
-        for o in outputs if views is None or staged else ():
-            if not fresh and not is_dense(o):
-                dense = dense_copy(o)
-                copy_back.append(_DenseOutput(o, dense))
-                o = dense
-                held.append(o)
-            if staged and o.numel():
-                if self._import_output is not None:
-                    args.push_ref(self._import_output(o))
+        else:
+            for o in outputs:
+                if not fresh and not is_dense(o):
+                    dense = dense_copy(o)
+                    copy_back.append(_DenseOutput(o, dense))
+                    o = dense
+                    held.append(o)
+                if staged and o.numel():
+                    if self._import_output is not None:
+                        args.push_ref(self._import_output(o))
+                        continue
+                    view = StagedOutput(self._session, o)
+                    args.push_ref(view.view)
+                    copy_back.append(view)
                     continue
-                view = StagedOutput(self._session, o)
-                args.push_ref(view.view)
-                copy_back.append(view)
-                continue
-            args.push_ref(imp(to_dlpack(o)))
+                args.push_ref(imp(to_dlpack(o)))
         if copied and self._cuda_index is not None:
             # the copies above are queued on torch's stream, which IREE's own stream does not wait for
             # (`run` synchronised before they were made): without this IREE can read them unfinished

@@ -60,8 +60,8 @@ class Segment:
         # (func, args, kwargs, out fids, grad enabled, result leaf of each out fid)
         self.entries: list[tuple] = []
         self.sig: list[tuple] = []
-        self.recipes: list[Recipe] = []     # per entry: its call's recipe (the key of `leaves`)
-        # per entry: (argument slots its results' gradients reach, random, its FV/XV arguments in slot order)
+        # per entry: (its call's recipe: the argument slots its results' gradients reach, whether it draws;
+        # its FV/XV arguments in slot order)
         self.links: list[tuple] = []
         self.metas: list[tuple] = []        # fid -> (size, stride, offset, dtype, nbytes)
         self.rg: list[bool] = []            # fid -> requires grad
@@ -306,8 +306,7 @@ class Segment:
             return results[0] if recipe.spec is None else pytree.tree_unflatten(results, recipe.spec)
         self.entries.append((func, enc_args, enc_kwargs, tuple(out_fids), (sig[1], amp), tuple(out_leaves)))
         self.sig.append(tuple(sig))
-        self.links.append((recipe.connected, recipe.random, tuple(slots)))
-        self.recipes.append(recipe)
+        self.links.append((recipe, tuple(slots)))
         if recipe.draws:
             if not self.draws:
                 self.rng_note = generator_states(self.device)
@@ -356,10 +355,11 @@ class Segment:
         for i in range(len(self.entries) - 1, -1, -1):
             entry = self.entries[i]
             if any(f in needed for f in entry[3]):
-                if self.links[i][1]:
+                recipe, slots = self.links[i]
+                if recipe.random:
                     raise Demote("a value read before mark_step that depends on random numbers")
                 picked.append(entry)
-                for v in self.links[i][2]:
+                for v in slots:
                     if type(v) is FV:
                         needed.add(v.fid)
         inputs = [materialize(t).detach() if type(t) is LazyTensor else t for t in self.externals]
@@ -563,7 +563,7 @@ class Segment:
         signatures. The same calls with the same recipes (which hold their arguments' layouts and
         `requires_grad`, so which values require grad and what each call connects) give the same answer:
         kept per (calls, recipes, loss) (a step of HF GPT-2 spent 90-110 us here, the MLP 10)."""
-        recipes = tuple(self.recipes)
+        recipes = tuple([recipe for recipe, _ in self.links])
         key = (calls, tuple(map(id, recipes)), loss)
         found = _LEAVES.get(key)
         if found is not None:
@@ -581,7 +581,8 @@ class Segment:
             func, args, kwargs, out_fids, _, _ = self.entries[i]
             if not any(f in needed and self.rg[f] for f in out_fids):
                 continue
-            connected, _, slots = self.links[i]
+            recipe, slots = self.links[i]
+            connected = recipe.connected
             for k, v in enumerate(slots):
                 if k not in connected:
                     continue

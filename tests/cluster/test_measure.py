@@ -10,8 +10,10 @@ import pydisc
 from pydisc.config import CONFIG
 from pydisc.exec import choices
 from pydisc.exec.clusters import CompiledCluster
+from pydisc.driver import step_choice
 from pydisc.driver.engine import ENGINE
 from pydisc.driver.step import clear_plans
+from pydisc.frontend.fast_state import GIVE_UP_AFTER
 from pydisc.frontend.lazy_tensor import LazyTensor
 
 
@@ -524,9 +526,6 @@ def test_the_probe_skips_steps_the_fast_recorder_gave_up_on_midway(step_choice_c
     # op by op from the start once the module was given up on, fast.arm). The probe, which compares a
     # step's recording with a plain eager step, times a step that was not demoted. (Before, it timed the
     # second demoted step: a hooked MLP's recording 2.73 ms against 1.55 ms for the steps after it.)
-    from pydisc.driver import step_choice
-    from pydisc.frontend.fast_state import GIVE_UP_AFTER
-
     monkeypatch.setattr(step_choice, "PROBE_AFTER", 2)
     probed = []     # the demotions so far at each probe, and before its step began
     before = [0]
