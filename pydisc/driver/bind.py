@@ -4,19 +4,25 @@ the run gets a view of its new device data (`bind`); the tensors of a symbolic s
 """
 from __future__ import annotations
 
+import weakref
 from operator import is_
 
 import torch
 from torch.autograd.graph import increment_version
 
 from ..diagnostics import log
+from ..exec.tensors import ALIGNMENT
 from ..frontend.layout import flat_base, is_whole, view_of_base
 from ..frontend.lazy_tensor import RECORDER, LazyTensor
 from ..frontend.tensor import concrete_layout
 from ..frontend.trace import LazyStorage, Trace
 from .slices import size_only_storages
 
-__all__ = ["bind", "concretize", "input_versions", "own_writes", "worker_copies"]
+__all__ = ["bind", "concretize", "handovers", "input_versions", "own_writes", "worker_copies"]
+
+# Exchanges the memory of two torch storages of the same size, with every tensor that views either
+# (torch's `UntypedStorage._swap_data_ptr_`; None where this torch has none: the new values are copied).
+_SWAP = getattr(torch.UntypedStorage, "_swap_data_ptr_", None)
 
 
 def _as_layout(val: torch.Tensor, size, stride) -> torch.Tensor:
@@ -34,10 +40,14 @@ def _as_layout(val: torch.Tensor, size, stride) -> torch.Tensor:
 
 
 def bind(trace: Trace, outputs: tuple, results: list[torch.Tensor], executed: list[int],
-          remaining: list[int], fresh_trace: bool = True, copied: bool = False) -> None:
+          remaining: list[int], fresh_trace: bool = True, copied: bool = False, plan=None,
+          swaps: tuple | None = None) -> None:
     """`fresh_trace`: the recorder starts a new trace after a whole step is bound; False where it started
     one already, the step having run on the worker while the next recorded (inflight.py). `copied`: the
-    worker copied the written inputs' new values already (`worker_copies`)."""
+    worker copied the written inputs' new values already (`worker_copies`), except those of `swaps`.
+    `plan`: the plan whose run gave `results`, whose kept outputs (`plan.flat_outputs`) become the
+    memory of the inputs they are new values of where they can (`handovers`); `swaps`: which, worked out
+    before the run (a run on the worker)."""
     touched: list[LazyStorage] = []
     written: list[int] = []             # input storages the step wrote: copied into, all at once
     # storage -> the result that is all of its data in the recorded layout: a tensor of that layout
@@ -59,7 +69,10 @@ def bind(trace: Trace, outputs: tuple, results: list[torch.Tensor], executed: li
                 later[id(storage)] = (storage, index, val)
         touched.append(storage)
     if written:
-        _write_inputs(trace, written, [val for (kind, _), val in zip(outputs, results) if kind == "base"], copied)
+        vals = [val for (kind, _), val in zip(outputs, results) if kind == "base"]
+        if swaps is None:
+            swaps = handovers(trace, written, vals, plan)
+        _write_inputs(trace, written, vals, copied, swaps)
     if not remaining:
         # everything ran: every tensor made in this trace views its storage's new data (the storages
         # of the step's inputs were written in place, so their tensors' views stay valid)
@@ -149,19 +162,24 @@ def _bound(t: LazyTensor, whole: dict) -> torch.Tensor:
     return view_of_base(t._storage.real, size, stride, offset)
 
 
-def _write_inputs(trace: Trace, indices: list[int], vals: list[torch.Tensor], copied: bool = False) -> None:
-    """Copy the step's new values of the input storages `indices` into their device data (one foreach
-    copy), and note their versions as the step's own writes, not the user's. A value that is another
-    written input's data (a step that swaps two buffers, run by torch) is read before any is written.
-    `copied`: the worker copied them (`worker_copies`), leaving the version counters alone; they move
-    here, as the copy would have moved them (eager code holding the data sees a write)."""
+def _write_inputs(trace: Trace, indices: list[int], vals: list[torch.Tensor], copied: bool = False,
+                  swaps: tuple = ()) -> None:
+    """Write the step's new values of the input storages `indices` into their device data: copied (one
+    foreach copy), or, where `swaps[k]`, handed over (the memory of `vals[k]` becomes the storage's, and
+    the storage's old memory `vals[k]`'s: `handovers`). Their versions are noted as the step's own
+    writes, not the user's. A value that is another written input's data (a step that swaps two buffers,
+    run by torch) is read before any is written. `copied`: the worker copied those not handed over
+    (`worker_copies`), leaving the version counters alone; they move here, as the copy would have moved
+    them (eager code holding the data sees a write)."""
     reals = [trace.input_storages[i].real for i in indices]
     if copied:
         increment_version(reals)
     else:
         written = {r.untyped_storage().data_ptr() for r in reals}
         dsts, srcs = [], []
-        for real, val in zip(reals, vals):
+        for k, (real, val) in enumerate(zip(reals, vals)):
+            if swaps and swaps[k]:
+                continue
             if val.data_ptr() == real.data_ptr():
                 continue                    # written in place already
             if val.untyped_storage().data_ptr() in written:
@@ -170,18 +188,66 @@ def _write_inputs(trace: Trace, indices: list[int], vals: list[torch.Tensor], co
             srcs.append(val if val.dim() == 1 else val.reshape(-1))     # (an input storage's data is flat)
         if dsts:
             torch._foreach_copy_(dsts, srcs)
+        if swaps:
+            increment_version([real for real, swap in zip(reals, swaps) if swap])
+    if swaps:
+        # (after the copies, which may read an input's old data)
+        for real, val, swap in zip(reals, vals, swaps):
+            if swap:
+                _SWAP(real.untyped_storage(), val.untyped_storage())
     for i, real in zip(indices, reals):
         trace.storage_versions[i] = real._version
 
 
-def worker_copies(trace: Trace, outputs: tuple, results: list[torch.Tensor], perm, plan) -> tuple | None:
+def handovers(trace: Trace, indices: list[int], vals: list[torch.Tensor], plan) -> tuple:
+    """Per written input storage `indices[k]` of a CPU step, whether its new value `vals[k]` is handed over
+    rather than copied: the value was written into memory `plan` keeps for it from step to step
+    (`plan.keep_base_outputs`), which becomes the storage's memory, and the storage's old memory becomes
+    the kept output that the next run writes into. Every tensor that views the storage (the parameter,
+    its views, `.data` aliases, the user's plain aliases) sees the new memory, as the copy would have
+    shown them the new values; the copies cost the MLP and the transformer block of
+    bench/record_overhead.py 0.09-0.12 ms a step. Not where the memory's address was handed out
+    (`LazyStorage.exported`: NumPy, DLPack, `data_ptr`), for a step input (memory the user passed in), or
+    where sizes or dtypes differ, the memory is not aligned as IREE needs, or two values share memory.
+    () where none is. The checks that depend only on the plan's tensors are made once per plan
+    (`plan.handovers`)."""
+    if _SWAP is None or plan is None or not plan.flat_outputs:
+        return ()
+    storages = [trace.input_storages[i] for i in indices]
+    reals = [s.real for s in storages]
+    memo = plan.handovers
+    if memo is None or len(memo[0]) != len(vals) or not all(map(is_, vals, memo[0])) or \
+            not all(ref() is real for ref, real in zip(memo[1], reals)):
+        kept = plan.flat_outputs
+        fits = []
+        memories = set()
+        for real, val in zip(reals, vals):
+            found = kept.get(id(val))
+            # (the memory handed to the kept output is written by IREE at the next run: aligned as its own)
+            ok = found is not None and found[0] is val and real.device.type == "cpu" and \
+                real.dtype == val.dtype and real.storage_offset() == 0 and real.data_ptr() % ALIGNMENT == 0 and \
+                real.untyped_storage().nbytes() == val.untyped_storage().nbytes() == val.numel() * val.element_size()
+            if ok:
+                ptr = real.data_ptr()
+                ok = ptr not in memories and id(val) not in memories
+                memories.update((ptr, id(val)))
+            fits.append(ok)
+        # (the inputs' tensors by weak reference: a plan kept in the cache does not keep a model's parameters)
+        memo = plan.handovers = (tuple(vals), tuple(weakref.ref(r) for r in reals), tuple(fits))
+    swaps = tuple(fit and not s.exported and s.ordinal < 0 for fit, s in zip(memo[2], storages))
+    return swaps if any(swaps) else ()
+
+
+def worker_copies(trace: Trace, outputs: tuple, results: list[torch.Tensor], perm, plan,
+                  swaps: tuple = ()) -> tuple | None:
     """For a step run on the worker (inflight.py): the copies of its new values of the input storages it
     writes (parameters, optimizer state) into their device data, which the worker makes once the step's
     calls have run, rather than the main thread at the wait (`bind(copied=True)`). `results`: the
     runner's output tensors, not filled yet; `perm`, a template's order of them. (destinations,
     sources), through `.data` aliases, whose version counters are their own: the recording thread
     notes the inputs' versions meanwhile. None where some copy is not plain (a value that is an input's
-    memory or not dense): `bind` makes them.
+    memory or not dense: `bind` makes them) or none is left: `swaps`, the values `bind` hands over
+    (`handovers`), are not copied.
 
     `plan.flat_outputs`: the flat tensors that the outputs the plan keeps view (`plan.keep_base_outputs`),
     by id: {id(output): (output, flat)}. Where every source is one of them, the same kept outputs are the
@@ -195,24 +261,29 @@ def worker_copies(trace: Trace, outputs: tuple, results: list[torch.Tensor], per
     if memo is not None and len(memo[0]) == len(vals) and all(map(is_, vals, memo[0])):
         # (the plan's key holds its input storages' sizes: each still has its source's size; and a kept
         # output is memory of the plan's own, never an input's)
-        return [real.data for real in reals], memo[1]
-    ptrs = {real.data_ptr() for real in reals}      # (an input storage's data: a flat tensor at offset 0)
-    flat = plan.flat_outputs
-    dsts, srcs = [], []
-    kept = 0
-    for real, val in zip(reals, vals):
-        if val.untyped_storage().data_ptr() in ptrs or not val.is_contiguous() or val.numel() != real.numel():
-            return None
-        dsts.append(real.data)
-        found = flat.get(id(val))
-        if found is not None and found[0] is val:
-            srcs.append(found[1])
-            kept += 1
-        else:
-            srcs.append(val if val.dim() == 1 else val.view(-1))      # (an input storage's data is flat)
-    if kept == len(vals):
-        plan.copies = (vals, srcs)
-    return dsts, srcs
+        dsts, srcs = [real.data for real in reals], memo[1]
+    else:
+        ptrs = {real.data_ptr() for real in reals}      # (an input storage's data: a flat tensor at offset 0)
+        flat = plan.flat_outputs
+        dsts, srcs = [], []
+        kept = 0
+        for real, val in zip(reals, vals):
+            if val.untyped_storage().data_ptr() in ptrs or not val.is_contiguous() or val.numel() != real.numel():
+                return None
+            dsts.append(real.data)
+            found = flat.get(id(val))
+            if found is not None and found[0] is val:
+                srcs.append(found[1])
+                kept += 1
+            else:
+                srcs.append(val if val.dim() == 1 else val.view(-1))      # (an input storage's data is flat)
+        if kept == len(vals):
+            plan.copies = (vals, srcs)
+    if swaps:
+        # (handed over by `bind` instead: `handovers`)
+        dsts = [d for d, swap in zip(dsts, swaps) if not swap]
+        srcs = [s for s, swap in zip(srcs, swaps) if not swap]
+    return (dsts, srcs) if dsts else None
 
 
 def input_versions(trace: Trace) -> tuple[list[int], list[int]]:

@@ -57,6 +57,7 @@ class StepPlan:
     kept_outputs: Any = None                              # [(cluster, its outputs kept)], once worked out (`keep_base_outputs`)
     flat_outputs: dict = field(default_factory=dict)      # while it keeps them: {id(output): (output, the flat tensor it views)}
     copies: Any = None                                    # ... and the worker's copies of them (bind.worker_copies)
+    handovers: Any = None                                 # ... and which of them become their inputs' memory (bind.handovers)
 
 
 def keep_base_outputs(plan: StepPlan, outputs: tuple) -> None:
@@ -75,7 +76,7 @@ def keep_base_outputs(plan: StepPlan, outputs: tuple) -> None:
         for cluster, _ in ENGINE.keeping.kept_outputs:
             cluster.keep_outputs(())
         ENGINE.keeping.flat_outputs = {}
-        ENGINE.keeping.copies = None
+        ENGINE.keeping.copies = ENGINE.keeping.handovers = None
     for cluster, indices in plan.kept_outputs:
         cluster.keep_outputs(indices)
         for out in cluster.kept or ():

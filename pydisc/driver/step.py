@@ -26,7 +26,7 @@ from ..frontend.trace import Trace
 from ..metrics import METRICS
 from . import background, dynamic, inflight, optimizer_state, planning, step_choice
 from .dynamic import Binding
-from .bind import bind, input_versions, own_writes, worker_copies
+from .bind import bind, handovers, input_versions, own_writes, worker_copies
 from .engine import ENGINE
 from .oom import out_of_memory_error, out_of_memory_in
 from .plan import StepPlan, keep_base_outputs
@@ -287,7 +287,7 @@ def _run(trace: Trace, target: LazyTensor | None, defer: bool = False) -> tuple:
 
     results, plan = _outcome(plan, produce, trace, executed, outputs, inputs, perm, key, device, check)
     _count_step(plan)
-    bind(trace, outputs, results, executed, remaining)
+    bind(trace, outputs, results, executed, remaining, plan=plan)
     return (id(plan) if key is not None else None), cached, device, whole
 
 
@@ -406,7 +406,10 @@ def _defer(plan: StepPlan, trace: Trace, executed: list[int], outputs: tuple, in
     except Exception:
         return False
     notes = optimizer_state.taken()
-    copies = worker_copies(trace, outputs, pending, perm, plan)
+    base = [k for k, (kind, _) in enumerate(outputs) if kind == "base"]
+    swaps = handovers(trace, [outputs[k][1] for k in base], [pending[perm[k] if perm is not None else k] for k in base],
+                      plan)
+    copies = worker_copies(trace, outputs, pending, perm, plan, swaps)
     copied = []
 
     def job():
@@ -446,7 +449,8 @@ def _defer(plan: StepPlan, trace: Trace, executed: list[int], outputs: tuple, in
                 raise
             if ran is not plan:       # given up for eager: its ops count as fallbacks, as for a step run at once
                 _count_ops(ran)
-            bind(trace, outputs, out, executed, [], fresh_trace=False, copied=bool(copied) and ran is plan)
+            bind(trace, outputs, out, executed, [], fresh_trace=False, copied=bool(copied) and ran is plan,
+                 plan=ran, swaps=swaps if ran is plan else None)
             own_writes(current, versions)
 
     _count_step(plan)

@@ -93,7 +93,8 @@ class CompiledCluster(torch.nn.Module):
         # per output: the tensor it is written into at every call, or None (a new one each call): `keep_outputs`
         self.kept: list | None = None
         # per output of a CPU cluster of static sizes: (the tensor IREE wrote it into at the last call, that
-        # memory as IREE takes it), or None: `_outputs`
+        # memory as IREE takes it; for a kept output, {address: that memory as IREE takes it}), or None:
+        # `_outputs`
         self.pool: list | None = None
 
     def forward(self, *inputs):
@@ -127,8 +128,9 @@ class CompiledCluster(torch.nn.Module):
     def keep_outputs(self, indices) -> None:
         """Outputs `indices` are written into the same tensors at every call from now on (none: a new one
         each call again): the caller copies them elsewhere before the next call and keeps nothing of them
-        (a step's new values of the parameters and optimizer state, which go into their tensors at once):
-        no allocation per call. On the CPU, for a cluster of static sizes."""
+        (a step's new values of the parameters and optimizer state, which go into their tensors at once),
+        or exchanges their memory with those tensors' (driver/bind.py `handovers`): no allocation per
+        call. On the CPU, for a cluster of static sizes."""
         if not indices or self.prepare is not None or self.device.type != "cpu":
             self.kept = None
             return
@@ -174,10 +176,19 @@ class CompiledCluster(torch.nn.Module):
         for i, (shape, dtype) in enumerate(self.specs):
             entry = pool[i]
             if kept is not None and kept[i] is not None:
-                if entry is None or entry[0] is not kept[i]:
-                    entry = pool[i] = (kept[i], self.compiled.import_output(kept[i]))
-                results.append(kept[i])     # (the caller copies it elsewhere before the next call)
-                views.append(entry[1])
+                out = kept[i]
+                # (the caller copies it elsewhere before the next call, or exchanges its memory with the
+                # tensor it is the new value of: its imports by address, two where memory alternates)
+                if entry is None or entry[0] is not out:
+                    entry = pool[i] = (out, {})
+                imports = entry[1]
+                ptr = out.data_ptr()
+                if ptr not in imports:
+                    if len(imports) > 1:
+                        imports.clear()
+                    imports[ptr] = self.compiled.import_output(out)
+                results.append(out)
+                views.append(imports[ptr])
                 continue
             if entry is None or _storage_users(entry[0]) != 1:
                 base = torch.empty(shape, dtype=dtype, device=self.device)

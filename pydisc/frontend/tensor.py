@@ -107,16 +107,28 @@ class LazyTensor(torch.Tensor):
     def __format__(self, spec: str) -> str:
         return format(self._read(self, reason="format"), spec)
 
+    def _exported(self, reason: str) -> torch.Tensor:
+        """The device data, whose address user code takes (NumPy, DLPack, `data_ptr`, the storage): the
+        steps after this one write their new values of it into this memory (`LazyStorage.exported`)."""
+        real = self._read(self, reason=reason)
+        t = self
+        while t is not None:
+            storage = getattr(t, "_storage", None)     # (a value of an open fast segment has none yet)
+            if storage is not None:
+                storage.exported = True
+            t = t._redirect
+        return real
+
     def data_ptr(self) -> int:
-        return self._read(self, reason="data_ptr").data_ptr()
+        return self._exported("data_ptr").data_ptr()
 
     def untyped_storage(self) -> torch.UntypedStorage:
         # the wrapper's own storage has no data (torch: "data is not allocated yet"): the device data's
-        return self._read(self, reason="untyped_storage").untyped_storage()
+        return self._exported("untyped_storage").untyped_storage()
 
     def __dlpack__(self, *args, **kwargs):
         # (torch's own reads the wrapper, which has no data: the process crashed)
-        return self._read(self, reason="dlpack").__dlpack__(*args, **kwargs)
+        return self._exported("dlpack").__dlpack__(*args, **kwargs)
 
     def apply_(self, callable):
         # (torch's own calls `callable` on each element of the wrapper, which has no data: the process crashed)
@@ -128,7 +140,7 @@ class LazyTensor(torch.Tensor):
         return self._read(self, reason="tolist").tolist()
 
     def numpy(self, *, force: bool = False):
-        return self._read(self, reason="numpy").detach().cpu().numpy(force=force)
+        return self._exported("numpy").detach().cpu().numpy(force=force)
 
     def cpu(self, memory_format=torch.preserve_format):
         return self._read(self, reason="cpu").cpu(memory_format=memory_format).clone() \
@@ -177,7 +189,7 @@ _TO_DLPACK = torch.utils.dlpack.to_dlpack
 
 def _to_dlpack(tensor: torch.Tensor):
     if isinstance(tensor, LazyTensor):
-        tensor = tensor._read(tensor, reason="dlpack")
+        tensor = tensor._exported("dlpack")
     return _TO_DLPACK(tensor)
 
 

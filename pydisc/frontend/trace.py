@@ -32,11 +32,13 @@ class LazyStorage:
     of the trace value that allocated the storage (for storages created in the pending trace), and
     `written` says that the pending trace writes into it; `fast_written`, that the forward being
     recorded at `__torch_function__` does (a BatchNorm's running statistics), which the trace does not
-    hold yet (frontend/segment.py).
+    hold yet (frontend/segment.py). `exported`: its memory's address was handed out (NumPy, DLPack,
+    `data_ptr`), so a step's new value is copied into that memory, never handed over by exchanging
+    memory (driver/bind.py).
     """
 
     __slots__ = ("real", "nbytes", "creator", "written", "epoch", "input_index", "ordinal", "produced",
-                 "fast_written", "serial", "__weakref__")
+                 "fast_written", "exported", "serial", "__weakref__")
 
     def __init__(self, nbytes: int, real: torch.Tensor | None = None, epoch: int = -1,
                  produced: int | None = None) -> None:
@@ -45,6 +47,7 @@ class LazyStorage:
         self.creator: int | None = None
         self.written = False
         self.fast_written = False
+        self.exported = False
         self.epoch = epoch          # trace epoch in which creator/written/input_index are valid
         self.input_index = -1       # index into Trace.storage_inputs for this epoch
         self.ordinal = -1           # a step input: made lazy as the ordinal-th input of its step

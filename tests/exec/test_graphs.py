@@ -318,10 +318,10 @@ def test_each_shape_of_a_template_replays_its_own_graph(device, max_shapes, requ
     copied_after = []
     write_inputs = pbind._write_inputs
 
-    def counting(trace, indices, vals, copied=False):
+    def counting(trace, indices, vals, copied=False, swaps=()):
         copied_after.append(0 if copied else sum(val.data_ptr() != trace.input_storages[i].real.data_ptr()
                                                  for i, val in zip(indices, vals)))
-        return write_inputs(trace, indices, vals, copied)
+        return write_inputs(trace, indices, vals, copied, swaps)
 
     monkeypatch.setattr(pbind, "_write_inputs", counting)
     pstep.clear_plans()
