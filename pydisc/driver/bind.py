@@ -5,6 +5,7 @@ the run gets a view of its new device data (`bind`); the tensors of a symbolic s
 from __future__ import annotations
 
 import weakref
+from collections import Counter
 from operator import is_
 
 import torch
@@ -219,19 +220,19 @@ def handovers(trace: Trace, indices: list[int], vals: list[torch.Tensor], plan) 
     if memo is None or len(memo[0]) != len(vals) or not all(map(is_, vals, memo[0])) or \
             not all(ref() is real for ref, real in zip(memo[1], reals)):
         kept = plan.flat_outputs
+        # memory two written inputs share (two storages of one tensor's memory, each given its own value:
+        # the last copy wins) and a value two inputs get are copied
+        shared = Counter(real.untyped_storage().data_ptr() for real in reals)
+        given = Counter(map(id, vals))
         fits = []
-        memories = set()
         for real, val in zip(reals, vals):
             found = kept.get(id(val))
             # (the memory handed to the kept output is written by IREE at the next run: aligned as its own)
-            ok = found is not None and found[0] is val and real.device.type == "cpu" and \
-                real.dtype == val.dtype and real.storage_offset() == 0 and real.data_ptr() % ALIGNMENT == 0 and \
-                real.untyped_storage().nbytes() == val.untyped_storage().nbytes() == val.numel() * val.element_size()
-            if ok:
-                ptr = real.data_ptr()
-                ok = ptr not in memories and id(val) not in memories
-                memories.update((ptr, id(val)))
-            fits.append(ok)
+            fits.append(found is not None and found[0] is val and given[id(val)] == 1 and real.device.type == "cpu"
+                        and real.dtype == val.dtype and real.storage_offset() == 0
+                        and shared[real.untyped_storage().data_ptr()] == 1 and real.data_ptr() % ALIGNMENT == 0
+                        and real.untyped_storage().nbytes() == val.untyped_storage().nbytes()
+                        == val.numel() * val.element_size())
         # (the inputs' tensors by weak reference: a plan kept in the cache does not keep a model's parameters)
         memo = plan.handovers = (tuple(vals), tuple(weakref.ref(r) for r in reals), tuple(fits))
     swaps = tuple(fit and not s.exported and s.ordinal < 0 for fit, s in zip(memo[2], storages))
