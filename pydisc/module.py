@@ -12,6 +12,7 @@ from .driver import step_choice
 from .driver.engine import ENGINE
 from .frontend import fast, inference
 from .frontend.lazy_tensor import RECORDER, LazyTensor, to_lazy
+from .frontend.trace import LazyStorage
 from .frontend.symbolic import release_factory_mode
 
 __all__ = ["lazy"]
@@ -117,13 +118,20 @@ def lazy(module: torch.nn.Module, *, device: str | torch.device | None = None,
         # plain now: this model's steps are measured afresh rather than passed through for good.
         step_choice.reset()
     converted: dict[int, torch.Tensor] = {}   # tied weights stay tied
+    # Parameters and buffers that are other objects over the same memory (`nn.Parameter(t)` twice,
+    # `b.data = a.data`) share one lazy storage, so that a step that writes one (an optimizer) is seen by
+    # the other, as in eager: by the memory's torch storage (alive meanwhile: the module holds it).
+    storages: dict[int, LazyStorage] = {}
 
     def convert(t: torch.Tensor | None, is_param: bool):
         if t is None or isinstance(t, LazyTensor):
             return t
         if id(t) in converted:
             return converted[id(t)]
-        data = to_lazy(t.detach().to(device))
+        real = t.detach().to(device)
+        memory = real.untyped_storage()._cdata
+        data = to_lazy(real, storage=storages.get(memory))
+        storages[memory] = data._storage
         new = torch.nn.Parameter(data, requires_grad=t.requires_grad) if is_param else data
         converted[id(t)] = kept = _keep_object(t, new)
         return kept

@@ -48,15 +48,17 @@ PRUNE_FIRST_AT = 10_000   # entries of a never-marked trace before the dead ones
 _SET_DATA = torch._C.TensorBase.data.__set__
 
 
-def to_lazy(real: torch.Tensor, *, step_input: bool = False) -> LazyTensor:
+def to_lazy(real: torch.Tensor, *, step_input: bool = False, storage: LazyStorage | None = None) -> LazyTensor:
     """Wrap device data as a (materialized) lazy tensor, without a copy.
 
     `step_input`: `real` is an input of the step (a module input, `pydisc.to_lazy`): its dims may be
     dynamic (`pydisc.mark_dynamic`, or seen to change between steps), in which case the step is
-    recorded with symbolic sizes."""
+    recorded with symbolic sizes. `storage`: the storage of a lazy tensor made of the same memory
+    (`real` views it), whose view the new one is, so that the steps see the two alias as eager does."""
     if isinstance(real, LazyTensor):
         return real
-    storage = LazyStorage(real.untyped_storage().nbytes(), flat_base(real))
+    if storage is None:
+        storage = LazyStorage(real.untyped_storage().nbytes(), flat_base(real))
     # an input that requires grad is a leaf of the step's graph; mark_step hands its gradient on to
     # `real` (`Recorder.grad_inputs`)
     grad = step_input and real.requires_grad and torch.is_grad_enabled()
