@@ -75,64 +75,31 @@ def _pre_hook(device: torch.device):
         if not kwargs and all(type(a) is tensor for a in args):
             if len(args) == 1:
                 return (_lazy_input(args[0], device),), kwargs      # (the common case, in short)
-            wrap = _LazyInputs(args, device)
+            wrap = _LazyInputs()
             return tuple([wrap(a, device) for a in args]), kwargs
-        wrap = _LazyInputs((args, kwargs), device)
+        wrap = _LazyInputs()
         return wrap(args, device), wrap(kwargs, device)
     return hook
 
 
 class _LazyInputs:
-    """Makes one forward call's tensor arguments lazy (`_lazy_input`), keeping eager's aliasing between
-    them: the same tensor passed twice is one lazy tensor, and arguments over one memory (a tensor and
-    its view), none of which requires grad, are views of one lazy storage (not copied first, as a slice
-    alone is), so that a forward that writes one in place changes the others, as in eager. (Each had a
-    storage of its own: `forward(a, b)` with `a.mul_(2)` called as `m(x, x)` computed `2x + x`.)"""
+    """Makes one forward call's tensor arguments lazy (`_lazy_input`): the same tensor passed twice
+    (`labels=input_ids`) is one lazy tensor, as it is one tensor in eager, so that a forward that
+    writes one in place changes the other (each had a storage of its own: `forward(a, b)` with
+    `a.mul_(2)` called as `m(x, x)` computed `2x + x`). Distinct tensors over one memory (a tensor and
+    its view, two slices of one dataset tensor) stay inputs of their own: a slice is copied, so that
+    the step's plan does not depend on where in its tensor the slice sits (docs/robustness.md)."""
 
-    def __init__(self, arguments, device: torch.device) -> None:
-        found: dict[int, list] = {}
-        _memories(arguments, device, found)
-        # memory -> its tensors (distinct objects), where several arguments are over it
-        self.shared = {k: v for k, v in found.items() if len(v) > 1}
-        self.made: dict[int, LazyTensor] = {}         # id(eager tensor) -> its lazy tensor, for the shared
+    def __init__(self) -> None:
+        self.made: dict[int, LazyTensor] = {}         # id(eager tensor) -> its lazy tensor
 
     def __call__(self, x, device: torch.device):
         if isinstance(x, torch.Tensor) and not isinstance(x, LazyTensor):
-            group = self.shared.get(_memory(x)) if self.shared and x.device == device else None
-            if group is None:
-                return _lazy_input(x, device)
             made = self.made.get(id(x))
-            if made is not None:
-                return made
-            distinct = {id(t): t for t in group}.values()
-            first = self.made.get(id(group[0]))
-            if len(distinct) == 1 or any(t.requires_grad for t in distinct):
-                made = _lazy_input(x, device)      # the same tensor twice, or a gradient to hand back: as is
-            elif first is None:
-                made = to_lazy(x, step_input=True)
-            else:
-                made = to_lazy(x, storage=first._storage)
-            self.made[id(x)] = made
+            if made is None:
+                made = self.made[id(x)] = _lazy_input(x, device)
             return made
         return _mapped(x, self, device)
-
-
-def _memory(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
-
-
-def _memories(x, device: torch.device, found: dict) -> None:
-    """The eager tensors on `device` in `x` (nested lists, tuples and dicts, as `_mapped` walks them), by
-    memory, in order: {memory: [tensor, ...]}."""
-    if isinstance(x, torch.Tensor):
-        if not isinstance(x, LazyTensor) and x.device == device:
-            found.setdefault(_memory(x), []).append(x)
-    elif isinstance(x, (list, tuple)):
-        for v in x:
-            _memories(v, device, found)
-    elif isinstance(x, dict):
-        for v in x.values():
-            _memories(v, device, found)
 
 
 def _lazy_input(x, device: torch.device):
