@@ -92,9 +92,8 @@ class CompiledCluster(torch.nn.Module):
         self.run_at_once = False      # run even where the plan's calls are collected (driver/inflight.py)
         # per output: the tensor it is written into at every call, or None (a new one each call): `keep_outputs`
         self.kept: list | None = None
-        # per output of a CPU cluster of static sizes: (the tensor IREE wrote it into at the last call, that
-        # memory as IREE takes it; for a kept output, {address: that memory as IREE takes it}), or None:
-        # `_outputs`
+        # per output of a CPU cluster of static sizes: (the tensor IREE wrote it into at the last call, its
+        # memory as IREE takes it by address: {address: import}), or None: `_outputs`
         self.pool: list | None = None
 
     def forward(self, *inputs):
@@ -177,24 +176,26 @@ class CompiledCluster(torch.nn.Module):
             entry = pool[i]
             if kept is not None and kept[i] is not None:
                 out = kept[i]
-                # (the caller copies it elsewhere before the next call, or exchanges its memory with the
-                # tensor it is the new value of: its imports by address, two where memory alternates)
                 if entry is None or entry[0] is not out:
                     entry = pool[i] = (out, {})
-                imports = entry[1]
-                ptr = out.data_ptr()
-                if ptr not in imports:
-                    if len(imports) > 1:
-                        imports.clear()
-                    imports[ptr] = self.compiled.import_output(out)
-                results.append(out)
-                views.append(imports[ptr])
-                continue
-            if entry is None or _storage_users(entry[0]) != 1:
-                base = torch.empty(shape, dtype=dtype, device=self.device)
-                entry = pool[i] = (base, self.compiled.import_output(base))
-            results.append(entry[0].detach())
-            views.append(entry[1])
+                result = out        # (the caller copies it elsewhere, or hands its memory over, before the next call)
+            else:
+                if entry is None or _storage_users(entry[0]) != 1:
+                    entry = pool[i] = (torch.empty(shape, dtype=dtype, device=self.device), {})
+                out = entry[0]
+                result = out.detach()
+            # The memory behind a tensor can move: a step hands a kept output's memory over to the input it
+            # is the new value of, taking that input's in exchange (driver/bind.py `handovers`), and a
+            # pooled output handed out earlier can be such an input (the momentum buffers SGD's first step
+            # made). Its imports are kept by address: two, where the memory alternates.
+            imports = entry[1]
+            ptr = out.data_ptr()
+            if ptr not in imports:
+                if len(imports) > 1:
+                    imports.clear()
+                imports[ptr] = self.compiled.import_output(out)
+            results.append(result)
+            views.append(imports[ptr])
         return results, views
 
     def measure(self, inputs):
