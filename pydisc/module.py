@@ -102,20 +102,20 @@ class _LazyInputs:
         return _mapped(x, self, device)
 
 
-def _lazy_input(x, device: torch.device):
-    if isinstance(x, torch.Tensor) and not isinstance(x, LazyTensor):
-        marked = getattr(x, "_pydisc_dynamic", None)    # pydisc.mark_dynamic
-        if x.device != device:
-            x = x.to(device)
-        if x.storage_offset() != 0 or not x.is_contiguous() or \
-                x.untyped_storage().nbytes() != x.numel() * x.element_size():
-            # a slice of a larger tensor (a batch of a dataset): copy it, so the step's input is the
-            # batch alone and its plan does not depend on where in the dataset the batch sits
-            x = x.clone(memory_format=torch.contiguous_format)
-        if marked is not None:
-            x._pydisc_dynamic = marked
-        return to_lazy(x, step_input=True)
-    return _mapped(x, _lazy_input, device)
+def _lazy_input(x: torch.Tensor, device: torch.device) -> LazyTensor:
+    """An eager tensor argument of a lazy module's forward as a step input (`_LazyInputs` walks the
+    containers)."""
+    marked = getattr(x, "_pydisc_dynamic", None)    # pydisc.mark_dynamic
+    if x.device != device:
+        x = x.to(device)
+    if x.storage_offset() != 0 or not x.is_contiguous() or \
+            x.untyped_storage().nbytes() != x.numel() * x.element_size():
+        # a slice of a larger tensor (a batch of a dataset): copy it, so the step's input is the
+        # batch alone and its plan does not depend on where in the dataset the batch sits
+        x = x.clone(memory_format=torch.contiguous_format)
+    if marked is not None:
+        x._pydisc_dynamic = marked
+    return to_lazy(x, step_input=True)
 
 
 def lazy(module: torch.nn.Module, *, device: str | torch.device | None = None,

@@ -239,25 +239,29 @@ def handovers(trace: Trace, indices: list[int], vals: list[torch.Tensor], plan) 
     return swaps if any(swaps) else ()
 
 
-def worker_copies(trace: Trace, outputs: tuple, results: list[torch.Tensor], perm, plan,
-                  swaps: tuple = ()) -> tuple | None:
+def worker_copies(trace: Trace, outputs: tuple, results: list[torch.Tensor], perm, plan) -> tuple:
     """For a step run on the worker (inflight.py): the copies of its new values of the input storages it
     writes (parameters, optimizer state) into their device data, which the worker makes once the step's
     calls have run, rather than the main thread at the wait (`bind(copied=True)`). `results`: the
     runner's output tensors, not filled yet; `perm`, a template's order of them. (destinations,
     sources), through `.data` aliases, whose version counters are their own: the recording thread
-    notes the inputs' versions meanwhile. None where some copy is not plain (a value that is an input's
-    memory or not dense: `bind` makes them) or none is left: `swaps`, the values `bind` hands over
-    (`handovers`), are not copied.
+    notes the inputs' versions meanwhile; with the values `bind` hands over instead (`handovers`, worked
+    out here, before the run: `bind`'s `swaps`), which are not copied: (copies, swaps). The copies are None
+    where some copy is not plain (a value that is an input's memory or not dense: `bind` makes them) or
+    none is left.
 
     `plan.flat_outputs`: the flat tensors that the outputs the plan keeps view (`plan.keep_base_outputs`),
     by id: {id(output): (output, flat)}. Where every source is one of them, the same kept outputs are the
     sources at the plan's next steps: their checks and flat tensors are worked out once, kept in
     `plan.copies` (which the plan lets go of with its kept outputs; it holds nothing of the parameters)."""
-    reals = [trace.input_storages[index].real for kind, index in outputs if kind == "base"]
-    if not reals:
-        return None
+    indices = [index for kind, index in outputs if kind == "base"]
+    if not indices:
+        return None, ()
+    reals = [trace.input_storages[index].real for index in indices]
     vals = [results[perm[k] if perm is not None else k] for k, (kind, _) in enumerate(outputs) if kind == "base"]
+    swaps = handovers(trace, indices, vals, plan)
+    if swaps and all(swaps):
+        return None, swaps      # (every value handed over: the common case, nothing for the worker)
     memo = plan.copies
     if memo is not None and len(memo[0]) == len(vals) and all(map(is_, vals, memo[0])):
         # (the plan's key holds its input storages' sizes: each still has its source's size; and a kept
@@ -270,7 +274,7 @@ def worker_copies(trace: Trace, outputs: tuple, results: list[torch.Tensor], per
         kept = 0
         for real, val in zip(reals, vals):
             if val.untyped_storage().data_ptr() in ptrs or not val.is_contiguous() or val.numel() != real.numel():
-                return None
+                return None, swaps
             dsts.append(real.data)
             found = flat.get(id(val))
             if found is not None and found[0] is val:
@@ -284,7 +288,7 @@ def worker_copies(trace: Trace, outputs: tuple, results: list[torch.Tensor], per
         # (handed over by `bind` instead: `handovers`)
         dsts = [d for d, swap in zip(dsts, swaps) if not swap]
         srcs = [s for s, swap in zip(srcs, swaps) if not swap]
-    return (dsts, srcs) if dsts else None
+    return ((dsts, srcs) if dsts else None), swaps
 
 
 def input_versions(trace: Trace) -> tuple[list[int], list[int]]:

@@ -26,7 +26,7 @@ from ..frontend.trace import Trace
 from ..metrics import METRICS
 from . import background, dynamic, inflight, optimizer_state, planning, step_choice
 from .dynamic import Binding
-from .bind import bind, handovers, input_versions, own_writes, worker_copies
+from .bind import bind, input_versions, own_writes, worker_copies
 from .engine import ENGINE
 from .oom import out_of_memory_error, out_of_memory_in
 from .plan import StepPlan, keep_base_outputs
@@ -406,10 +406,7 @@ def _defer(plan: StepPlan, trace: Trace, executed: list[int], outputs: tuple, in
     except Exception:
         return False
     notes = optimizer_state.taken()
-    base = [k for k, (kind, _) in enumerate(outputs) if kind == "base"]
-    swaps = handovers(trace, [outputs[k][1] for k in base], [pending[perm[k] if perm is not None else k] for k in base],
-                      plan)
-    copies = worker_copies(trace, outputs, pending, perm, plan, swaps)
+    copies, swaps = worker_copies(trace, outputs, pending, perm, plan)
     copied = []
 
     def job():

@@ -64,21 +64,29 @@ def test_parameters_take_over_the_memory_their_new_values_were_written_into(on_w
 
 
 def test_views_and_plain_aliases_of_a_parameter_follow_its_memory(on_worker):
-    """A lazy view made at an earlier step and the data of a lazy tensor made plain view the parameter's
-    storage: they see its new values, as eager's views of a parameter updated in place do."""
-    eager, lazy, eager_opt, lazy_opt = _pair()
+    """A lazy view made at an earlier step, and a plain alias of a parameter's data taken before
+    `pydisc.lazy()` (`.data`: the same torch storage), see its new values after its memory moved, as
+    eager's views of a parameter updated in place do."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    model = copy.deepcopy(eager)
+    plain, eager_plain = model[0].bias.data, eager[0].bias.data
+    lazy = pydisc.lazy(model)
+    eager_opt, lazy_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (eager, lazy))
     x, y = torch.randn(5, 8), torch.randint(0, 4, (5,))
     for _ in range(2):
         _step(eager, eager_opt, x, y, False)
         _step(lazy, lazy_opt, x, y, True)
     row, eager_row = lazy[2].weight[1], eager[2].weight[1]
-    pydisc.synchronize()
     before = _address(lazy[2].weight)
     for _ in range(3):
         _step(eager, eager_opt, x, y, False)
         _step(lazy, lazy_opt, x, y, True)
     assert (_address(lazy[2].weight) != before) == (bind._SWAP is not None)     # (the memory moved)
     torch.testing.assert_close(row.cpu(), eager_row.detach())
+    pydisc.synchronize()
+    assert not pydisc.is_lazy(plain) and plain.data_ptr() == _address(lazy[0].bias)    # (it moved along)
+    torch.testing.assert_close(plain, eager_plain)
 
 
 @pytest.mark.parametrize("holder", ["numpy", "dlpack", "data_ptr"])
