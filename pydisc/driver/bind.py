@@ -173,7 +173,7 @@ def _write_inputs(trace: Trace, indices: list[int], vals: list[torch.Tensor], co
     (`worker_copies`), leaving the version counters alone; they move here, as the copy would have moved
     them (eager code holding the data sees a write)."""
     reals = [trace.input_storages[i].real for i in indices]
-    if copied:
+    if copied or (swaps and all(swaps)):
         increment_version(reals)
     else:
         written = {r.untyped_storage().data_ptr() for r in reals}

@@ -395,7 +395,11 @@ def _defer(plan: StepPlan, trace: Trace, executed: list[int], outputs: tuple, in
             return t
 
         if call_inputs is inputs:       # (a concrete plan's)
-            inputs = call_inputs = [own(t) for t in inputs]
+            # storage inputs first, by their data's address (a flat tensor at offset 0: no storage object
+            # made for each of a step's parameters), then the eager inputs and the lifted scalars
+            n = len(trace.storage_inputs)
+            inputs = call_inputs = [own(t) if t.data_ptr() in shared else t for t in inputs[:n]] + \
+                [own(t) for t in inputs[n:]]
         else:
             call_inputs = [own(t) for t in call_inputs]
             inputs = [own(t) for t in inputs]
