@@ -142,10 +142,6 @@ def lazy(module: torch.nn.Module, *, device: str | torch.device | None = None,
         # plain now: this model's steps are measured afresh rather than passed through for good.
         step_choice.reset()
     converted: dict[int, torch.Tensor] = {}   # tied weights stay tied
-    # Parameters and buffers that are other objects over the same memory (`nn.Parameter(t)` twice,
-    # `b.data = a.data`) share one lazy storage, so that a step that writes one (an optimizer) is seen by
-    # the other, as in eager: by the memory's torch storage (alive meanwhile: the module holds it).
-    storages: dict[int, LazyStorage] = {}
 
     def convert(t: torch.Tensor | None, is_param: bool):
         if t is None or isinstance(t, LazyTensor):
@@ -153,9 +149,8 @@ def lazy(module: torch.nn.Module, *, device: str | torch.device | None = None,
         if id(t) in converted:
             return converted[id(t)]
         real = t.detach().to(device)
-        memory = real.untyped_storage()._cdata
-        data = to_lazy(real, storage=storages.get(memory))
-        storages[memory] = data._storage
+        data = to_lazy(real, storage=_lazy_storage_over(real))
+        _note_memory(real, data._storage)
         new = torch.nn.Parameter(data, requires_grad=t.requires_grad) if is_param else data
         converted[id(t)] = kept = _keep_object(t, new)
         return kept
@@ -173,6 +168,36 @@ def lazy(module: torch.nn.Module, *, device: str | torch.device | None = None,
     module._pydisc_fast_record = fast_record
     module._pydisc_device = device
     return module
+
+
+# Parameters and buffers that are other objects over the same memory (`nn.Parameter(t)` twice, `b.data =
+# a.data`, a buffer that views a parameter) share one lazy storage, so that a step that writes one (an
+# optimizer) is seen by the other, as in eager; also where separate `lazy()` calls convert them (two
+# submodules made lazy one by one). The lazy storages `lazy()` made, by the torch storage of their memory
+# (its `_cdata`): id -> weak reference to the lazy storage.
+_BY_MEMORY: dict[int, weakref.ref] = {}
+
+
+def _lazy_storage_over(real: torch.Tensor) -> LazyStorage | None:
+    """The lazy storage `lazy()` made of the memory `real` views, if it still has that memory (an address
+    of a torch storage freed since may have been given to another)."""
+    memory = real.untyped_storage()._cdata
+    ref = _BY_MEMORY.get(memory)
+    storage = ref() if ref is not None else None
+    if storage is None or storage.real is None or storage.real.untyped_storage()._cdata != memory:
+        return None
+    return storage
+
+
+def _note_memory(real: torch.Tensor, storage: LazyStorage) -> None:
+    memory = real.untyped_storage()._cdata
+
+    def forget(ref: weakref.ref) -> None:
+        if _BY_MEMORY.get(memory) is ref:
+            del _BY_MEMORY[memory]
+
+    if _lazy_storage_over(real) is not storage:
+        _BY_MEMORY[memory] = weakref.ref(storage, forget)
 
 
 # Tensors `lazy()` could not turn lazy in place (weak references to them, or other references to their
