@@ -34,7 +34,8 @@ class CompiledModule:
 
     __slots__ = (
         "name", "device", "vmfb", "staged_outputs",
-        "_session", "_context", "_function", "_import", "_import_output", "_cuda_index", "_on_cuda",
+        "_session", "_context", "_function", "_import", "_import_output", "_cuda_index", "_on_cuda", "_imported",
+        "_import_input",
     )
 
     def __init__(self, vmfb: bytes, session: DeviceSession, name: str) -> None:
@@ -57,6 +58,14 @@ class CompiledModule:
         self._function = function
         self._import = session.hal_device.from_dlpack_capsule
         self._import_output = _HostImport(session) if not session.is_cuda else None   # see staged_outputs
+        # On the CPU, per input position, the imports of the last memories it was given: {address: (shape,
+        # dtype, import)}, at most two (a parameter's memory alternates between two blocks from step to step:
+        # driver/bind.py `handovers`). They are host imports, which hold no tensor: one made for memory at an
+        # address, with its shape and dtype, is the import of whatever tensor of that shape and dtype is
+        # there at a later call. (The transformer block of bench/record_overhead.py: its step's call, 31 inputs
+        # and 44 outputs, prepared in 36 us rather than 43.)
+        self._imported: list[dict] = []
+        self._import_input = _HostImport(session) if not session.is_cuda else None
         # Set on the first call that finds IREE cannot write a DLPack-imported output: it fills or copies
         # into some outputs (a result that is an input, a constant, or a copy IREE makes rather than a
         # dispatch), which needs DISCARD_WRITE access. From then on the outputs are imported as host
@@ -122,7 +131,10 @@ class CompiledModule:
         out_ptrs = {o.untyped_storage().data_ptr() for o in outputs if o.numel()} if not fresh else ()
         on_cuda = self._on_cuda
         copied = False
-        for t in inputs:
+        imported, host = self._imported, self._import_input
+        if len(imported) < len(inputs):
+            imported += [{} for _ in range(len(inputs) - len(imported))]
+        for i, t in enumerate(inputs):
             if type(t) is int:          # an `index` argument (a dynamic size)
                 args.push_int(t)
                 continue
@@ -139,6 +151,15 @@ class CompiledModule:
                 t = dense_copy(t)  # IREE needs dense memory, and an input must not share an output's memory
                 copied = True
                 held.append(t)
+            elif host is not None and t.numel():
+                seen = imported[i]
+                found = seen.get(ptr)
+                if found is None or found[0] != t.shape or found[1] is not t.dtype:
+                    if len(seen) > 1:
+                        seen.clear()
+                    found = seen[ptr] = (t.shape, t.dtype, host(t))
+                args.push_ref(found[2])
+                continue
             args.push_ref(imp(to_dlpack(t)))
         copy_back: list = []
         staged = self.staged_outputs

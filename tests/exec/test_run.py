@@ -201,6 +201,26 @@ def test_many_calls_reuse_context(device, metrics):
     assert metrics.executions == 50
 
 
+def test_inputs_at_an_address_seen_before_are_read_as_they_are_now(device):
+    """On the CPU a module keeps the imports of the memory each input position was last given, by address
+    (a parameter's memory alternates between two blocks from step to step): a tensor at such an address is
+    read with its own values and sizes (a shorter view of the same memory is not the longer one)."""
+    t = "tensor<?xf32>"
+    module = compile_module(f"""func.func @main(%a: {t}, %b: {t}, %o: {t} {{iree.abi.output = 0 : index}}) -> {t} {{
+  %r = stablehlo.add %a, %b : {t}
+  return %r : {t}
+}}""", device)
+    memory, other = torch.arange(8.0, device=device), torch.ones(8, device=device)
+    for n, fill in ((8, None), (8, 5.0), (4, None), (8, -1.0), (3, 2.0)):
+        if fill is not None:
+            memory.fill_(fill)      # new values in the same memory
+        a, b = memory[:n], other[:n]
+        out = torch.empty(n, device=device)
+        module.run([a, b], [out])
+        assert a.data_ptr() == memory.data_ptr()
+        assert torch.equal(out, a + b), (n, out, a + b)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_each_gpu_gets_its_own_device(metrics):
