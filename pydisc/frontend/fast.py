@@ -329,8 +329,8 @@ def _torch_function(cls, func, types, args=(), kwargs=None):
             device = _device_of(args) or _device_of(tuple((kwargs or {}).values()))
             if device is None:
                 return _default(func, args, kwargs)
-            seg = FAST.segment = Segment(device)
-            seg.armed_by, FAST.armed_by = FAST.armed_by, None
+            seg = FAST.segment = Segment(device, FAST.armed_by)
+            FAST.armed_by = None
             FAST.armed = False
         try:
             if func in _BACKWARDS:

@@ -42,6 +42,8 @@ class _Fast:
         self.armed_by = None        # (module, training mode) whose forward armed the next segment
         # module -> {training mode: its forwards' segments demoted in a row} (fast.arm gives up on a mode)
         self.demoted_in_a_row: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # module -> {(training mode, device): the calls of its last segment that closed} (Segment.follow)
+        self.scripts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def still_redirected(self) -> bool:
         """Whether a value of a demoted segment is still alive: calls on it must be forwarded (fast.park)."""

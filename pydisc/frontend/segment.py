@@ -49,12 +49,16 @@ _LEAVES_KEPT = 256
 # Arguments that are constants as they are (no tensor inside, not a device): torch.Size holds ints (or the
 # SymInts of a symbolic step, in which no segment starts).
 _PLAIN_CONSTANTS = frozenset({int, float, bool, torch.dtype, torch.Size, torch.memory_format, torch.layout})
+# Constants a call follows its kept call with where they are equal and of the same type (`Segment._same`):
+# those whose encoding is themselves, or follows from their value alone (a string naming a device or not).
+_FOLLOWED_CONSTANTS = frozenset({int, bool, torch.dtype, torch.Size, torch.memory_format, torch.layout,
+                                 type(None), type(Ellipsis), str, torch.device})
 
 
 class Segment:
     """The calls of one forward (and loss) recorded at `__torch_function__`."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, armed_by: tuple | None = None) -> None:
         self.device = device
         self.device_type = device.type
         # (func, args, kwargs, out fids, grad enabled, result leaf of each out fid)
@@ -85,7 +89,12 @@ class Segment:
         self.read_upto = 0                  # calls recorded at the last such read
         self.draws = 0                      # calls recorded that draw random numbers (random_state.py)
         self.rng_note = None                # torch's generators at the first of them (Trace.rng_note)
-        self.armed_by = None                # (module, its training mode) whose forward opened it (fast.arm)
+        self.armed_by = armed_by            # (module, its training mode) whose forward opened it (fast.arm)
+        # the calls of that module's last segment that closed in this mode on this device (`follow`), from
+        # `cursor` on; and this segment's calls, kept for the next one
+        self.script = FAST.scripts.get(armed_by[0], {}).get((armed_by[1], device)) if armed_by else None
+        self.cursor = 0
+        self.log: list | None = [] if armed_by else None
         if CONFIG.gc_pause and gc.isenabled() and not RECORDER.gc_paused:
             # as for a step recorded by the dispatcher (Recorder.dispatch): no cyclic GC while it records,
             # which also makes the values alive at the segment's end the same every step (`close`)
@@ -207,30 +216,21 @@ class Segment:
         if func is _TO and len(args) > 1 and isinstance(args[1], _Tensor) and args[1].device != self.device:
             raise Demote("a move to another device")      # `x.to(other)`: to other's device
         amp = _amp(self.device_type)
-        sig: list = [func, _grad_enabled(), amp]
+        grad = _grad_enabled()
         slots: list = []
-        encode = self.encode
-        enc_args = tuple([encode(a, sig, slots) for a in args])
-        enc_kwargs = {}
-        if kwargs:
-            for k, v in kwargs.items():
-                sig.append(k)
-                enc_kwargs[k] = self.encode(v, sig, slots)
-        if not slots:
-            raise Demote("a call without tensors")
-        key = (*sig, *[self.layout_of(v) for v in slots])
-        try:
-            recipe = RECIPES.get(key)
-        except TypeError:
-            raise Demote("an argument that cannot be hashed") from None
-        if recipe is None:
-            started = time.perf_counter()
-            try:
-                recipe = self.recipe(func, enc_args, enc_kwargs, slots, amp)
-            except NoMeta as exc:
-                return self.read_call(func, enc_args, enc_kwargs, slots, str(exc))
-            RECIPES[key] = recipe
-            self.meta_seconds += time.perf_counter() - started
+        call = self.follow(func, grad, amp, args, kwargs, slots) if self.script is not None else None
+        if call is not None:
+            enc_args, enc_kwargs, sig, recipe = call[3], call[4], call[5], call[6]
+        else:
+            sig, enc_args, enc_kwargs, slots, recipe, no_meta = self.look_up(func, grad, amp, args, kwargs)
+            if no_meta is not None:
+                self.log = None     # (a read: a later segment's calls may differ from here on)
+                return self.read_call(func, enc_args, enc_kwargs, slots, no_meta)
+            if self.log is not None:
+                call = (func, grad, amp, enc_args, enc_kwargs, sig, recipe,
+                        tuple([(k, self.layout_of(v)) for k, v in enumerate(slots) if type(v) is XV]))
+        if self.log is not None:
+            self.log.append(call)
         for slot, rg in zip(recipe.mutated, recipe.mutated_rg):
             v = slots[slot]
             if type(v) is XV:
@@ -304,8 +304,8 @@ class Segment:
             out_fids.append(v.fid)      # written in place and not returned: same value id, newer data
         if unchanged and recipe.outputs:
             return results[0] if recipe.spec is None else pytree.tree_unflatten(results, recipe.spec)
-        self.entries.append((func, enc_args, enc_kwargs, tuple(out_fids), (sig[1], amp), tuple(out_leaves)))
-        self.sig.append(tuple(sig))
+        self.entries.append((func, enc_args, enc_kwargs, tuple(out_fids), (grad, amp), tuple(out_leaves)))
+        self.sig.append(sig)
         self.links.append((recipe, tuple(slots)))
         if recipe.draws:
             if not self.draws:
@@ -315,6 +315,117 @@ class Segment:
         if recipe.spec is None:
             return results[0]
         return pytree.tree_unflatten(results, recipe.spec)
+
+    def look_up(self, func, grad: bool, amp, args, kwargs) -> tuple:
+        """(signature, encoded args and kwargs, tensor slots, recipe, None) of a call: its arguments encoded,
+        its recipe from the cache by signature and slot layouts, or worked out now on meta tensors; where no
+        meta kernel describes the call, no recipe and, last, why (for `read_call`)."""
+        sig: list = [func, grad, amp]
+        slots: list = []
+        encode = self.encode
+        enc_args = tuple([encode(a, sig, slots) for a in args])
+        enc_kwargs = {}
+        if kwargs:
+            for k, v in kwargs.items():
+                sig.append(k)
+                enc_kwargs[k] = encode(v, sig, slots)
+        if not slots:
+            raise Demote("a call without tensors")
+        key = (*sig, *[self.layout_of(v) for v in slots])
+        try:
+            recipe = RECIPES.get(key)
+        except TypeError:
+            raise Demote("an argument that cannot be hashed") from None
+        if recipe is None:
+            started = time.perf_counter()
+            try:
+                recipe = self.recipe(func, enc_args, enc_kwargs, slots, amp)
+            except NoMeta as exc:
+                return None, enc_args, enc_kwargs, slots, None, str(exc)
+            RECIPES[key] = recipe
+            self.meta_seconds += time.perf_counter() - started
+        return tuple(sig), enc_args, enc_kwargs, slots, recipe, None
+
+    # ---- following the calls of the module's last segment ---------------------------------------
+    # A training loop's forwards make the same calls step after step. The calls of a module's last
+    # segment that closed are kept (`log`, `FAST.scripts`), each with its encoded arguments, signature,
+    # recipe and the layouts of its inputs; a call that matches the next one kept takes them as they are,
+    # without encoding its arguments, building its key and looking it up (`follow`). The two come to the
+    # same: a kept call's key was made of its function, grad mode, autocast dtype, constants, which values
+    # of the segment and which inputs it took, and their layouts. The layouts of the segment's values
+    # follow from the calls before (the same calls with the same recipes give the same metadata); the
+    # inputs' are compared. The first call that differs ends the following for the rest of the segment.
+
+    def follow(self, func, grad: bool, amp, args, kwargs, slots: list):
+        """The kept call this one matches, with `slots` filled; or None, and the following ends."""
+        script, i = self.script, self.cursor
+        if i < len(script):
+            call = script[i]
+            if call[0] is func and call[1] is grad and call[2] == amp and self._same_args(args, kwargs, call, slots):
+                layout_of = self.layout_of
+                for k, lay in call[7]:
+                    if layout_of(slots[k]) != lay:
+                        break
+                else:
+                    self.cursor = i + 1
+                    return call
+        self.script = None
+        slots.clear()
+        return None
+
+    def _same_args(self, args, kwargs, call, slots: list) -> bool:
+        kept_args, kept_kwargs = call[3], call[4]
+        if len(args) != len(kept_args) or len(kwargs or ()) != len(kept_kwargs):
+            return False
+        same = self._same
+        for a, e in zip(args, kept_args):
+            if not same(a, e, slots):
+                return False
+        if kwargs:
+            for (k, a), (kept, e) in zip(kwargs.items(), kept_kwargs.items()):
+                if k != kept or not same(a, e, slots):
+                    return False
+        return True
+
+    def _same(self, a, e, slots: list) -> bool:
+        """Whether argument `a` encodes as `e` did in the kept call: the same value of the segment, the same
+        input (a new one where the kept call met a new one), an equal constant of the same type. Notes
+        its tensor slots."""
+        te = type(e)
+        if te is FV:
+            if type(a) is LazyTensor and a._fid == e.fid and a._fseg is self:
+                slots.append(e)
+                return True
+            return False
+        if te is XV:
+            if type(a) is LazyTensor:
+                if a._fid is not None:
+                    return False
+            elif not isinstance(a, _Tensor):
+                return False
+            index = self.ext_index.get(id(a))
+            if index is None:
+                if e.index != len(self.externals):
+                    return False
+                self.external(a)
+            elif index != e.index:
+                return False
+            slots.append(e)
+            return True
+        if type(a) is not te:
+            return False
+        if te is tuple or te is list:
+            if len(a) != len(e):
+                return False
+            for x, y in zip(a, e):
+                if not self._same(x, y, slots):
+                    return False
+            return True
+        if te is float:
+            return a == e and (a != 0.0 or repr(a) == repr(e))      # (-0.0 == 0.0; nan != nan: not the same)
+        if te is slice:     # (of ints: a tensor in a slice demotes, `encode`)
+            return all(type(x) is int or x is None for x in (a.start, a.stop, a.step)) and a == e
+        return te in _FOLLOWED_CONSTANTS and a == e
 
     def _check_write(self, index: int, rg: bool) -> None:
         """A call writes input `index` in place: followed for a lazy tensor that needs no gradient and whose
@@ -538,6 +649,9 @@ class Segment:
             o._fid = None
             o._fseg = None
         FAST.note(self.armed_by, demoted=False)
+        if self.log is not None:
+            module, training = self.armed_by
+            FAST.scripts.setdefault(module, {})[(training, self.device)] = self.log
 
     def _new_value(self, trace, kind, size, stride, offset, dtype, nbytes, storage, epoch, obj=None):
         fresh = storage is None

@@ -110,6 +110,59 @@ def test_block_trains_like_eager_with_few_entries(fast_recording) -> None:
     assert m["fast_entries"] <= 3 * 30, m["fast_entries"]
 
 
+class _Varying(nn.Module):
+    """A forward whose calls differ from the step before's in one place each step, in what a step's kept
+    calls hold: which parameter a call takes (a new one, or one an earlier call took), a constant (a
+    softmax's dim, a float, a slice, the loss's reduction), a keyword's name, the function called on the
+    same arguments, the dtype of an eager tensor it reads, the order of the values it takes; grad mode and
+    autocast around a call."""
+
+    ASPECTS = 12
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+        self.head = nn.Linear(32, 5)
+        self.flags = [False] * self.ASPECTS
+        self.steps = 0
+        self.eager = torch.linspace(0.5, 1.5, 16)     # a plain attribute: an eager tensor of the forward
+
+    def forward(self, x):
+        if self.steps:
+            k = (self.steps - 1) % self.ASPECTS
+            self.flags[k] = not self.flags[k]       # one difference from the step before
+        self.steps += 1
+        f = self.flags
+        h = self.b(x) if f[0] else self.a(x)
+        h = (self.a if f[7] else self.c)(h)
+        g = F.softmax(h, dim=1 if f[1] else 2) * (0.5 if f[2] else 2.0)
+        g = (g * (self.eager.double() if f[3] else self.eager)).float()
+        g = g.clamp(min=0.2) if f[8] else g.clamp(max=0.2)
+        g = torch.tanh(g) if f[9] else torch.sigmoid(g)
+        with torch.set_grad_enabled(not f[10]):
+            g = g + h.abs().mean()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=f[11]):
+            h = self.c(h)
+        both = torch.cat([g, h] if f[4] else [h, g], dim=-1)
+        both = both[:, 1:] if f[5] else both[:, :-1]
+        return self.head(both.mean(dim=1))
+
+
+def test_calls_that_differ_from_the_step_befores_are_recorded_as_made(fast_recording, replayed_eagerly) -> None:
+    """A segment takes the calls of its module's last segment as they are where each matches, argument by
+    argument (`Segment.follow`): a step whose calls differ in a constant, in the values or parameter a call
+    takes, or in an eager tensor's dtype computes its own, as eager does."""
+    def forward(m, x, y):
+        loss = F.cross_entropy(m(x), y, reduction="sum" if m.flags[6] else "mean")
+        loss.backward()
+        return loss
+
+    steps = 2 * _Varying.ASPECTS + 1
+    losses, lazy_losses, ref, model = _train(_Varying, forward, steps=steps)
+    _assert_same(ref, model, losses, lazy_losses)
+    assert METRICS.fast_segments == steps and not METRICS.fast_demotions
+
+
 def test_fast_and_dispatch_paths_give_the_same_step(fast_recording) -> None:
     fast_run = _train(Block, _ce, opt=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
     fast.uninstall()
