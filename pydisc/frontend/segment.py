@@ -566,8 +566,15 @@ class Segment:
                     "pydisc: an eager tensor of shape %s was modified in place after a lazy op used it in "
                     "this step. Pass a copy (`t.clone()`) to the lazy computation, or call "
                     "pydisc.mark_step() before modifying it." % (tuple(t.shape),))
-        calls = tuple(self.sig)
-        leaves, needed = self.leaves(loss._fid, calls) if loss is not None else ((), frozenset())
+        script = self.script
+        loss_fid = loss._fid if loss is not None else None
+        if script is not None and self.cursor == len(script) and script.loss == loss_fid:
+            # every call followed the kept ones, to their end, and the loss is the same value: the same calls
+            # (the kept tuple itself, which the plans' keys hold: compared by identity) and the same answer
+            calls, (leaves, needed) = script.calls, script.leaves
+        else:
+            calls = tuple(self.sig)
+            leaves, needed = self.leaves(loss_fid, calls) if loss is not None else ((), frozenset())
         for o in alive:
             if self.rg[o._fid] and o._fid not in needed:
                 # eager could still differentiate it (a GAN's detached fake, a backward after mark_step)
@@ -591,7 +598,7 @@ class Segment:
             rec.meta_seconds += self.meta_seconds
             epoch = trace.epoch
             # (with the values computed for reads: a binding of a dynamic-shape step passes them, fast_match.py)
-            sig: list = ["fused", calls, leaves, loss._fid if loss is not None else None,
+            sig: list = ["fused", calls, leaves, loss_fid,
                          tuple(value_fids), tuple(self.evaluated), self.read_upto]
             reads: list = []
             enc_args = [rec.encode(x, sig, reads) for x in self.externals]
@@ -624,7 +631,7 @@ class Segment:
                     storages[fid] = t._storage
                 out_vids.append(t._vid)
             fused = FusedStep(tuple(self.entries), len(self.externals), leaves,
-                              loss._fid if loss is not None else None, tuple(value_fids), self.device.type,
+                              loss_fid, tuple(value_fids), self.device.type,
                               tuple(self.written))
             fused.evaluated, fused.read_upto, fused.draws = self.evaluated, self.read_upto, self.draws
             if trace.rng_note is None:
@@ -651,7 +658,8 @@ class Segment:
         FAST.note(self.armed_by, demoted=False)
         if self.log is not None:
             module, training = self.armed_by
-            FAST.scripts.setdefault(module, {})[(training, self.device)] = self.log
+            FAST.scripts.setdefault(module, {})[(training, self.device)] = _Script(
+                self.log, calls, loss_fid, (leaves, needed))
 
     def _new_value(self, trace, kind, size, stride, offset, dtype, nbytes, storage, epoch, obj=None):
         fresh = storage is None
@@ -724,6 +732,19 @@ class Segment:
         """The segment ends: the inputs it wrote are the trace's to answer for (or were never written)."""
         for i in self.written:
             self.externals[i]._storage.fast_written = False
+
+
+class _Script(list):
+    """The calls of a module's last segment that closed, as `Segment.follow` takes them; with the tuple of
+    their signatures, the value `backward()` was called on and what `Segment.leaves` found for it."""
+
+    __slots__ = ("calls", "loss", "leaves")
+
+    def __init__(self, log: list, calls: tuple, loss: int | None, leaves: tuple) -> None:
+        super().__init__(log)
+        self.calls = calls
+        self.loss = loss
+        self.leaves = leaves
 
 
 class _Reals:
