@@ -18,6 +18,7 @@ __all__ = ["LazyTensor", "LiftedScalar", "StrictModeError", "bind", "concrete_la
            "liftable"]
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
+_NO_TORCH_FUNCTION = torch._C.DisableTorchFunctionSubclass
 _DATA = torch._C.TensorBase.data      # torch's `.data`: the getter records a detached alias of the value
 
 
@@ -82,8 +83,13 @@ class LazyTensor(torch.Tensor):
             t._mk = layout_key(*concrete, dtype, hint(storage.nbytes), t.device)
         else:
             nbytes = storage.nbytes       # symbolic in a storage made by an earlier symbolic step
+            if type(device) is not torch.device or device.index is None and device.type != "cpu":
+                # (the wrapper's own, as tensors name it: `cuda:0` for "cuda"; read with the handler
+                # off, which sits on the class while a forward records, ~2 us a read)
+                with _NO_TORCH_FUNCTION():
+                    device = t.device
             t._mk = layout_key(tuple(size), tuple(stride), offset, dtype,
-                               nbytes if type(nbytes) is int else hint(nbytes), t.device)
+                               nbytes if type(nbytes) is int else hint(nbytes), device)
         return t
 
     @classmethod
