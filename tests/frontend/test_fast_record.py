@@ -126,6 +126,7 @@ class _Varying(nn.Module):
         self.flags = [False] * self.ASPECTS
         self.steps = 0
         self.eager = torch.linspace(0.5, 1.5, 16)     # a plain attribute: an eager tensor of the forward
+        self.dtypes: list[torch.dtype] = []
 
     def forward(self, x):
         if self.steps:
@@ -142,7 +143,8 @@ class _Varying(nn.Module):
         with torch.set_grad_enabled(not f[10]):
             g = g + h.abs().mean()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=f[11]):
-            h = self.c(h)
+            side = self.c(h)        # (its dtype is what autocast decides; bfloat16 rounding stays out of the loss)
+        self.dtypes.append(side.dtype)
         both = torch.cat([g, h] if f[4] else [h, g], dim=-1)
         both = both[:, 1:] if f[5] else both[:, :-1]
         return self.head(both.mean(dim=1))
@@ -160,6 +162,7 @@ def test_calls_that_differ_from_the_step_befores_are_recorded_as_made(fast_recor
     steps = 2 * _Varying.ASPECTS + 1
     losses, lazy_losses, ref, model = _train(_Varying, forward, steps=steps)
     _assert_same(ref, model, losses, lazy_losses)
+    assert model.dtypes == ref.dtypes and torch.bfloat16 in ref.dtypes
     assert METRICS.fast_segments == steps and not METRICS.fast_demotions
 
 
