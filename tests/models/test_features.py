@@ -433,6 +433,23 @@ def test_weight_tying_trains_like_eager() -> None:
     assert_state_equal(run.eager.model, lazy)
 
 
+def _train_like_eager(eager: nn.Module, lazy: nn.Module, optimizer: str, steps: int) -> None:
+    """Train both side by side with `optimizer` ("sgd" with momentum, "adam") on the same batches: losses,
+    parameters and buffers equal."""
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(BATCH, IN, generator=g), torch.randint(0, 3, (BATCH,), generator=g))
+               for _ in range(steps)]
+    make = {"sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+            "adam": lambda m: torch.optim.Adam(m.parameters(), lr=1e-2)}[optimizer]
+    trainees = [Trainee(m, make(m)) for m in (eager, lazy)]
+    for x, y in batches:
+        for t in trainees:
+            t.losses.append(plain_step(t, x, y))
+        pydisc.mark_step()
+    assert_losses_equal(SideBySide(trainees[0], trainees[1], [], []))
+    assert_state_equal(eager, lazy)
+
+
 class _SharedMemory(nn.Module):
     """Two Parameter objects over one memory (`nn.Parameter(t)` twice; `b.data = a.data` gives the same),
     and a buffer that views part of it: an optimizer's update of one is seen by the other in eager."""
@@ -453,21 +470,11 @@ class _SharedMemory(nn.Module):
 def test_parameters_that_share_memory_train_like_eager(optimizer: str, fast: bool) -> None:
     """lazy() gave each of two tensors over one memory a storage of its own, so a step's update of one
     did not reach the other: losses 2.5e-2 off eager's from the second step on."""
-    g = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(BATCH, IN, generator=g), torch.randint(0, 3, (BATCH,), generator=g)) for _ in range(4)]
     torch.manual_seed(0)
     eager = _SharedMemory()
     torch.manual_seed(0)
     lazy = pydisc.lazy(_SharedMemory(), fast_record=fast)
-    make = {"sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
-            "adam": lambda m: torch.optim.Adam(m.parameters(), lr=1e-2)}[optimizer]
-    trainees = [Trainee(m, make(m)) for m in (eager, lazy)]
-    for x, y in batches:
-        for t in trainees:
-            t.losses.append(plain_step(t, x, y))
-        pydisc.mark_step()
-    assert_losses_equal(SideBySide(trainees[0], trainees[1], [], []))
-    assert_state_equal(eager, lazy)
+    _train_like_eager(eager, lazy, optimizer, steps=4)
     assert torch.equal(lazy.a.cpu(), lazy.b.cpu()) and torch.equal(lazy.row.cpu(), lazy.a.cpu()[0])
 
 
@@ -492,23 +499,13 @@ def test_parameters_that_share_memory_made_lazy_by_separate_calls_train_like_eag
                                                                                   fast: bool) -> None:
     """Separate `lazy()` calls (one per submodule) gave tensors over one memory storages of their own:
     the optimizer's update of one never reached the other, losses 1.7e-2 off eager's from the second step on."""
-    g = torch.Generator().manual_seed(0)
-    batches = [(torch.randn(BATCH, IN, generator=g), torch.randint(0, 3, (BATCH,), generator=g)) for _ in range(5)]
     torch.manual_seed(0)
     eager = _Halves()
     torch.manual_seed(0)
     lazy = _Halves()
     for m in (lazy.first, lazy.second, lazy.out):
         pydisc.lazy(m, fast_record=fast)
-    make = {"sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
-            "adam": lambda m: torch.optim.Adam(m.parameters(), lr=1e-2)}[optimizer]
-    trainees = [Trainee(m, make(m)) for m in (eager, lazy)]
-    for x, y in batches:
-        for t in trainees:
-            t.losses.append(plain_step(t, x, y))
-        pydisc.mark_step()
-    assert_losses_equal(SideBySide(trainees[0], trainees[1], [], []))
-    assert_state_equal(eager, lazy)
+    _train_like_eager(eager, lazy, optimizer, steps=5)
     assert lazy.first.weight._storage is lazy.second.weight._storage is lazy.second.row._storage
     assert torch.equal(lazy.second.row.cpu(), lazy.first.weight.cpu()[1])
 
