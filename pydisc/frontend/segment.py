@@ -1,7 +1,8 @@
 """A fast recorder's segment: the calls of one forward recorded at `__torch_function__`.
 
 `Segment.record` encodes a call's arguments, takes its outputs' metadata from a cached meta run (on
-fake tensors of the step's device under autocast), and returns wrapper lazy tensors (*fast values*).
+fake tensors of the step's device under autocast), and returns wrapper lazy tensors (*fast values*);
+a call that matches the one its module's last segment made there takes that one's (follow.py).
 `Segment.close` turns the segment into one `FusedStep` entry of the step's trace, `Segment.evaluate`
 computes values read before `mark_step`, `Segment.demote` re-runs the calls through the dispatcher.
 The recorder's per-process state (the open segment, its thread, how steps are recorded) is
@@ -21,6 +22,7 @@ from .. import metrics as _metrics
 from ..config import CONFIG
 from .call_meta import RECIPES, Recipe, call_recipe, on_device
 from .fast_state import FAST
+from .follow import Following, Script
 from .fused import _FVS, FV, XV, Demote, FusedStep, NoMeta, _amp, _fv, _xv, decode
 from .layout import gradient_layout, layout_key
 from .lazy_tensor import RECORDER, LazyTensor, materialize
@@ -49,13 +51,9 @@ _LEAVES_KEPT = 256
 # Arguments that are constants as they are (no tensor inside, not a device): torch.Size holds ints (or the
 # SymInts of a symbolic step, in which no segment starts).
 _PLAIN_CONSTANTS = frozenset({int, float, bool, torch.dtype, torch.Size, torch.memory_format, torch.layout})
-# Constants a call follows its kept call with where they are equal and of the same type (`Segment._same`):
-# those whose encoding is themselves, or follows from their value alone (a string naming a device or not).
-_FOLLOWED_CONSTANTS = frozenset({int, bool, torch.dtype, torch.Size, torch.memory_format, torch.layout,
-                                 type(None), type(Ellipsis), str, torch.device})
 
 
-class Segment:
+class Segment(Following):
     """The calls of one forward (and loss) recorded at `__torch_function__`."""
 
     def __init__(self, device: torch.device, armed_by: tuple | None = None) -> None:
@@ -346,87 +344,6 @@ class Segment:
             self.meta_seconds += time.perf_counter() - started
         return tuple(sig), enc_args, enc_kwargs, slots, recipe, None
 
-    # ---- following the calls of the module's last segment ---------------------------------------
-    # A training loop's forwards make the same calls step after step. The calls of a module's last
-    # segment that closed are kept (`log`, `FAST.scripts`), each with its encoded arguments, signature,
-    # recipe and the layouts of its inputs; a call that matches the next one kept takes them as they are,
-    # without encoding its arguments, building its key and looking it up (`follow`). The two come to the
-    # same: a kept call's key was made of its function, grad mode, autocast dtype, constants, which values
-    # of the segment and which inputs it took, and their layouts. The layouts of the segment's values
-    # follow from the calls before (the same calls with the same recipes give the same metadata); the
-    # inputs' are compared. The first call that differs ends the following for the rest of the segment.
-
-    def follow(self, func, grad: bool, amp, args, kwargs, slots: list):
-        """The kept call this one matches, with `slots` filled; or None, and the following ends."""
-        script, i = self.script, self.cursor
-        if i < len(script):
-            call = script[i]
-            if call[0] is func and call[1] is grad and call[2] == amp and self._same_args(args, kwargs, call, slots):
-                layout_of = self.layout_of
-                for k, lay in call[7]:
-                    if layout_of(slots[k]) != lay:
-                        break
-                else:
-                    self.cursor = i + 1
-                    return call
-        self.script = None
-        slots.clear()
-        return None
-
-    def _same_args(self, args, kwargs, call, slots: list) -> bool:
-        kept_args, kept_kwargs = call[3], call[4]
-        if len(args) != len(kept_args) or len(kwargs or ()) != len(kept_kwargs):
-            return False
-        same = self._same
-        for a, e in zip(args, kept_args):
-            if not same(a, e, slots):
-                return False
-        if kwargs:
-            for (k, a), (kept, e) in zip(kwargs.items(), kept_kwargs.items()):
-                if k != kept or not same(a, e, slots):
-                    return False
-        return True
-
-    def _same(self, a, e, slots: list) -> bool:
-        """Whether argument `a` encodes as `e` did in the kept call: the same value of the segment, the same
-        input (a new one where the kept call met a new one), an equal constant of the same type. Notes
-        its tensor slots."""
-        te = type(e)
-        if te is FV:
-            if type(a) is LazyTensor and a._fid == e.fid and a._fseg is self:
-                slots.append(e)
-                return True
-            return False
-        if te is XV:
-            if type(a) is LazyTensor:
-                if a._fid is not None:
-                    return False
-            elif not isinstance(a, _Tensor):
-                return False
-            index = self.ext_index.get(id(a))
-            if index is None:
-                if e.index != len(self.externals):
-                    return False
-                self.external(a)
-            elif index != e.index:
-                return False
-            slots.append(e)
-            return True
-        if type(a) is not te:
-            return False
-        if te is tuple or te is list:
-            if len(a) != len(e):
-                return False
-            for x, y in zip(a, e):
-                if not self._same(x, y, slots):
-                    return False
-            return True
-        if te is float:
-            return a == e and (a != 0.0 or repr(a) == repr(e))      # (-0.0 == 0.0; nan != nan: not the same)
-        if te is slice:     # (of ints: a tensor in a slice demotes, `encode`)
-            return all(type(x) is int or x is None for x in (a.start, a.stop, a.step)) and a == e
-        return te in _FOLLOWED_CONSTANTS and a == e
-
     def _check_write(self, index: int, rg: bool) -> None:
         """A call writes input `index` in place: followed for a lazy tensor that needs no gradient and whose
         storage no other input shares (the step's entry then writes it, as the dispatcher records an
@@ -658,7 +575,7 @@ class Segment:
         FAST.note(self.armed_by, demoted=False)
         if self.log is not None:
             module, training = self.armed_by
-            FAST.scripts.setdefault(module, {})[(training, self.device)] = _Script(
+            FAST.scripts.setdefault(module, {})[(training, self.device)] = Script(
                 self.log, calls, loss_fid, (leaves, needed))
 
     def _new_value(self, trace, kind, size, stride, offset, dtype, nbytes, storage, epoch, obj=None):
@@ -732,19 +649,6 @@ class Segment:
         """The segment ends: the inputs it wrote are the trace's to answer for (or were never written)."""
         for i in self.written:
             self.externals[i]._storage.fast_written = False
-
-
-class _Script(list):
-    """The calls of a module's last segment that closed, as `Segment.follow` takes them; with the tuple of
-    their signatures, the value `backward()` was called on and what `Segment.leaves` found for it."""
-
-    __slots__ = ("calls", "loss", "leaves")
-
-    def __init__(self, log: list, calls: tuple, loss: int | None, leaves: tuple) -> None:
-        super().__init__(log)
-        self.calls = calls
-        self.loss = loss
-        self.leaves = leaves
 
 
 class _Reals:
