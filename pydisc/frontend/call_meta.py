@@ -201,4 +201,4 @@ def on_device(mode: FakeTensorMode, m: torch.Tensor, device: torch.device) -> to
     return out
 
 
-RECIPES: dict[tuple, Recipe] = {}
+RECIPES: dict[tuple, Recipe | str] = {}     # (a str: why no meta kernel describes the call, a read)

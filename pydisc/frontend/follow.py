@@ -8,6 +8,9 @@ same: a kept call's key was made of its function, grad mode, autocast dtype, con
 of the segment and which inputs it took, and their layouts. The layouts of the segment's values
 follow from the calls before (the same calls with the same recipes give the same metadata); the
 inputs' are compared. The first call that differs ends the following for the rest of the segment.
+A read (a call no meta kernel describes: `bool(mask.all())`) is kept with why, in its recipe's place, and
+computed again each time it is followed (`Segment.read_call`): its value decides the calls after it,
+which are compared as any.
 """
 from __future__ import annotations
 

@@ -220,15 +220,16 @@ class Segment(Following):
         if call is not None:
             enc_args, enc_kwargs, sig, recipe = call[3], call[4], call[5], call[6]
         else:
-            sig, enc_args, enc_kwargs, slots, recipe, no_meta = self.look_up(func, grad, amp, args, kwargs)
-            if no_meta is not None:
-                self.log = None     # (a read: a later segment's calls may differ from here on)
-                return self.read_call(func, enc_args, enc_kwargs, slots, no_meta)
+            sig, enc_args, enc_kwargs, slots, recipe = self.look_up(func, grad, amp, args, kwargs)
             if self.log is not None:
                 call = (func, grad, amp, enc_args, enc_kwargs, sig, recipe,
                         tuple([(k, self.layout_of(v)) for k, v in enumerate(slots) if type(v) is XV]))
         if self.log is not None:
             self.log.append(call)
+        if type(recipe) is str:
+            # a read (`bool(mask.all())`): computed now, at every step, followed or not; its value decides
+            # what the forward calls next, which the following compares call by call
+            return self.read_call(func, enc_args, enc_kwargs, slots, recipe)
         for slot, rg in zip(recipe.mutated, recipe.mutated_rg):
             v = slots[slot]
             if type(v) is XV:
@@ -315,9 +316,9 @@ class Segment(Following):
         return pytree.tree_unflatten(results, recipe.spec)
 
     def look_up(self, func, grad: bool, amp, args, kwargs) -> tuple:
-        """(signature, encoded args and kwargs, tensor slots, recipe, None) of a call: its arguments encoded,
-        its recipe from the cache by signature and slot layouts, or worked out now on meta tensors; where no
-        meta kernel describes the call, no recipe and, last, why (for `read_call`)."""
+        """(signature, encoded args and kwargs, tensor slots, recipe) of a call: its arguments encoded, its
+        recipe from the cache by signature and slot layouts, or worked out now on meta tensors; where no meta
+        kernel describes the call, why, in the recipe's place (a read: `read_call`)."""
         sig: list = [func, grad, amp]
         slots: list = []
         encode = self.encode
@@ -339,10 +340,10 @@ class Segment(Following):
             try:
                 recipe = self.recipe(func, enc_args, enc_kwargs, slots, amp)
             except NoMeta as exc:
-                return None, enc_args, enc_kwargs, slots, None, str(exc)
+                recipe = str(exc)   # (the same at every step: what the meta run saw is all in the key)
             RECIPES[key] = recipe
             self.meta_seconds += time.perf_counter() - started
-        return tuple(sig), enc_args, enc_kwargs, slots, recipe, None
+        return tuple(sig), enc_args, enc_kwargs, slots, recipe
 
     def _check_write(self, index: int, rg: bool) -> None:
         """A call writes input `index` in place: followed for a lazy tensor that needs no gradient and whose

@@ -214,6 +214,39 @@ def test_a_read_in_the_forward_is_computed_apart_without_demoting(fast_recording
     assert m["fast_demotions"] == {} and m["fast_reads"] == 3, m
 
 
+class Branching(nn.Module):
+    """A read whose value differs between steps with the same calls before it (the batch's sign), and
+    decides what the forward calls after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 5)
+
+    def forward(self, x):
+        h = self.a(x).mean(dim=1)
+        if bool(x.mean() > 0):
+            h = h * 2.0
+        else:
+            h = torch.sin(h) * 0.5
+        return self.b(torch.tanh(h))
+
+
+def test_a_read_followed_from_the_step_before_is_computed_again(fast_recording, replayed_eagerly) -> None:
+    """A segment follows its module's last one's calls past a read (`Segment.follow` keeps reads), and computes
+    the read again at every step: where its value differs, so do the calls after it, as in eager."""
+    signs = iter([1, 1, -1, -1, 1, -1, -1, 1])
+
+    def batch(g):
+        x = torch.randn(4, 6, 16, generator=g).abs() + 0.1
+        return x * next(signs), torch.randint(0, 5, (4,), generator=g)
+
+    losses, lazy_losses, ref, model = _train(Branching, _ce, steps=8, batch=batch)
+    _assert_same(ref, model, losses, lazy_losses)
+    m = pydisc.metrics()
+    assert m["fast_demotions"] == {} and m["fast_reads"] == 8, m
+    assert fast.FAST.scripts[model][(True, torch.device("cpu"))], "the read's segment kept its calls"
+
+
 def test_a_read_of_random_values_demotes_and_matches_the_step(fast_recording) -> None:
     model = pydisc.lazy(nn.Linear(8, 8))
     x = torch.randn(4, 8)
