@@ -231,6 +231,52 @@ def test_reads_of_a_step_in_flight_wait_for_it(fresh):
     assert set(m["async_waits"]) - {"mark_step", "synchronize", "metrics"}, m["async_waits"]
 
 
+class _InterruptedOnce:
+    """A lock whose first acquire raises KeyboardInterrupt (Ctrl-C while `inflight.start` waits for the
+    worker to take the step), and then is the lock it wraps."""
+
+    def __init__(self, lock) -> None:
+        self.lock, self.raised = lock, False
+
+    def acquire(self, *args, **kwargs):
+        if not self.raised:
+            self.raised = True
+            raise KeyboardInterrupt
+        return self.lock.acquire(*args, **kwargs)
+
+    def release(self) -> None:
+        self.lock.release()
+
+
+def test_an_interrupt_while_the_worker_takes_a_step_is_raised_once_it_has_it(fresh, monkeypatch):
+    """Ctrl-C while mark_step hands the step to the worker: raised from mark_step, and the step runs and is
+    bound all the same (its results equal eager's, and so does the next step; AdamW's step counters too)."""
+    eager, lazy = _model(), pydisc.lazy(_model())
+    eager_opt, lazy_opt = torch.optim.AdamW(eager.parameters(), lr=0.01), torch.optim.AdamW(lazy.parameters(), lr=0.01)
+    batches = _batches(STEPS)
+    real_init = InFlight.__init__
+
+    def init(self, job, finish):
+        real_init(self, job, finish)
+        self.started = _InterruptedOnce(self.started)
+
+    for k, (x, y) in enumerate(batches):
+        want = _step(eager, eager_opt, x, y).item()
+        got = _step(lazy, lazy_opt, x, y)
+        if k == 4:
+            runs = pydisc.metrics()["async_runs"]
+            monkeypatch.setattr(InFlight, "__init__", init)
+            with pytest.raises(KeyboardInterrupt):
+                pydisc.mark_step()
+            monkeypatch.setattr(InFlight, "__init__", real_init)
+            assert pydisc.metrics()["async_runs"] == runs + 1
+        else:
+            pydisc.mark_step()
+        torch.testing.assert_close(got.item(), want, rtol=1e-5, atol=1e-6)
+    for p, q in zip(lazy.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-6)
+
+
 @pytest.fixture
 def first_worker_call_fails(monkeypatch) -> list:
     """The first IREE call made on the worker thread raises; the list holds it once it has. Warnings

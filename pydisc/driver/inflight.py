@@ -68,7 +68,8 @@ __all__ = ["InFlight", "Worker", "deferrable", "user_memory", "start", "wait"]
 # MLP 1.57-1.65x, 1.42-1.44x, 1.38-1.41x; the block 1.18x, 1.08-1.15x, 1.09-1.13x; HF GPT-2 tiny with
 # dropout 1.64x, 1.61x, 1.67x, where without the worker 1.65x).
 SWITCH_INTERVAL = 0.00005
-# how long `start` waits for the worker to take a job, in seconds
+# how long `start` polls for the worker to take a job, then how long it sleeps until then, in seconds
+_START_POLL = 0.0005
 _START_TIMEOUT = 0.5
 
 
@@ -178,20 +179,29 @@ def start(job: Callable[[], list], finish: Callable[[list | None, BaseException 
     RECORDER.in_flight = wait
     METRICS.async_runs += 1
     ENGINE.worker.jobs.put(run)
-    # Wait (without the GIL) until the worker has taken the job. The worker needs the GIL to take it, and
-    # a thread that waits for the GIL while this one runs Python gets it only after a switch interval and
-    # two thread wake-ups: a job started 0.12-0.18 ms after it was handed over (at times 0.5 ms, 2-core
-    # VM), late for a step of the MLP of bench/record_overhead.py, whose run (0.38 ms) then outlasted the
-    # next step's recording. Waiting costs this thread about one wake-up of each (~0.05 ms); the worker
-    # lets the GIL go as its first IREE call begins. (Steps of the MLP 1.04-1.10 -> 0.74-0.86 ms, of the
-    # transformer block 2.0-2.3 -> 1.78-1.85 ms.) Not for ever: a job the worker has not taken by then is
-    # waited for at `wait`, as any.
+    # Wait until the worker has taken the job. The worker needs the GIL to take it, and a thread that waits
+    # for the GIL while this one runs Python gets it only after a switch interval and two thread wake-ups:
+    # a job started 0.12-0.18 ms after it was handed over (at times 0.5 ms, 2-core VM), late for a step of
+    # the MLP of bench/record_overhead.py, whose run (0.38 ms) then outlasted the next step's recording.
+    # The worker lets the GIL go as its first IREE call begins. This thread polls, letting the GIL go in
+    # between (`time.sleep(0)`), rather than sleeping until woken: it is running when the worker lets go
+    # and goes on at once, where a thread put to sleep waits for a wake-up of its own (MLP steps, eager
+    # and both ways taking turns in one process: 1.02x -> 0.95x of eager's, fastest blocks, 1.07-1.23x ->
+    # 0.93-1.08x median; the transformer block 0.71x either way; blocking at all, against not waiting:
+    # MLP 1.04-1.10 -> 0.74-0.86 ms a step, block 2.0-2.3 -> 1.78-1.85). After _START_POLL it sleeps until
+    # woken; not for ever: a job the worker has not taken by then is waited for at `wait`, as any.
     # (Counted in `async_wait_seconds`, not as a wait of its own in `async_waits`.)
     started = time.perf_counter()
+    taken = run.started.acquire
     interrupted = None
     while True:
         try:
-            run.started.acquire(timeout=_START_TIMEOUT)
+            if taken(False):
+                break
+            if time.perf_counter() - started < _START_POLL:
+                time.sleep(0)
+                continue
+            taken(timeout=_START_TIMEOUT)
             break
         except BaseException as exc:    # KeyboardInterrupt: raised once the worker has the job
             interrupted = exc
