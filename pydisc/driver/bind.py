@@ -49,8 +49,9 @@ def bind(trace: Trace, outputs: tuple, results: list[torch.Tensor], executed: li
     `plan`: the plan whose run gave `results`, whose kept outputs (`plan.flat_outputs`) become the
     memory of the inputs they are new values of where they can (`handovers`); `swaps`: which, worked out
     before the run (a run on the worker)."""
-    touched: list[LazyStorage] = []
+    touched: list[LazyStorage] = []     # (where some entries remain)
     written: list[int] = []             # input storages the step wrote: copied into, all at once
+    vals: list[torch.Tensor] = []       # ... and their new values
     # storage -> the result that is all of its data in the recorded layout: a tensor of that layout
     # binds to it as is, rather than to a new view
     whole: dict[int, torch.Tensor] = {}
@@ -58,19 +59,21 @@ def bind(trace: Trace, outputs: tuple, results: list[torch.Tensor], executed: li
     # most of a training step's (the gradients, once `zero_grad` dropped them; a loss nobody kept) are dead
     # by the time a step run on the worker is bound. id(storage) -> (storage, value index, result).
     later: dict[int, tuple] = {}
+    storages = trace.storages
     for (kind, index), val in zip(outputs, results):
         if kind == "base":
             written.append(index)
-            storage = trace.input_storages[index]
+            vals.append(val)
+            if remaining:
+                touched.append(trace.input_storages[index])
         else:
-            storage = trace.storages[index]
+            storage = storages[index]
             if remaining:
                 _give_result(storage, trace.metas[index], val, whole)
+                touched.append(storage)
             else:
                 later[id(storage)] = (storage, index, val)
-        touched.append(storage)
     if written:
-        vals = [val for (kind, _), val in zip(outputs, results) if kind == "base"]
         if swaps is None:
             swaps = handovers(trace, written, vals, plan)
         _write_inputs(trace, written, vals, copied, swaps)
