@@ -68,11 +68,8 @@ __all__ = ["InFlight", "Worker", "deferrable", "user_memory", "start", "wait"]
 # MLP 1.57-1.65x, 1.42-1.44x, 1.38-1.41x; the block 1.18x, 1.08-1.15x, 1.09-1.13x; HF GPT-2 tiny with
 # dropout 1.64x, 1.61x, 1.67x, where without the worker 1.65x).
 SWITCH_INTERVAL = 0.00005
-# how long `start` polls for the worker to take a job, then how long it sleeps until then; how long `wait`
-# polls for a run to end before it sleeps until then (seconds)
-_START_POLL = 0.0005
+# how long `start` waits for the worker to take a job, in seconds
 _START_TIMEOUT = 0.5
-_WAIT_POLL = 0.001
 
 
 class InFlight:
@@ -181,44 +178,29 @@ def start(job: Callable[[], list], finish: Callable[[list | None, BaseException 
     RECORDER.in_flight = wait
     METRICS.async_runs += 1
     ENGINE.worker.jobs.put(run)
-    # Wait until the worker has taken the job. The worker needs the GIL to take it, and a thread that waits
-    # for the GIL while this one runs Python gets it only after a switch interval and two thread wake-ups:
-    # a job started 0.12-0.18 ms after it was handed over (at times 0.5 ms, 2-core VM), late for a step of
-    # the MLP of bench/record_overhead.py, whose run (0.38 ms) then outlasted the next step's recording.
-    # The worker lets the GIL go as its first IREE call begins. (Blocking at all, against not waiting: MLP
-    # 1.04-1.10 -> 0.74-0.86 ms a step, block 2.0-2.3 -> 1.78-1.85; polling rather than sleeping, `_take`:
-    # MLP 1.02-1.16x -> 0.95-1.01x of eager's step, fastest blocks of 10 taking turns in one process, HF
-    # GPT-2 tiny 1.58x -> 1.44x, the block 0.71x either way.) Not for ever: a job the worker has not taken
-    # by then is waited for at `wait`, as any. (Counted in `async_wait_seconds`, not as a wait of its own
-    # in `async_waits`.)
+    # Wait (without the GIL) until the worker has taken the job. The worker needs the GIL to take it, and
+    # a thread that waits for the GIL while this one runs Python gets it only after a switch interval and
+    # two thread wake-ups: a job started 0.12-0.18 ms after it was handed over (at times 0.5 ms, 2-core
+    # VM), late for a step of the MLP of bench/record_overhead.py, whose run (0.38 ms) then outlasted the
+    # next step's recording. Waiting costs this thread about one wake-up of each (~0.05 ms); the worker
+    # lets the GIL go as its first IREE call begins. (Steps of the MLP 1.04-1.10 -> 0.74-0.86 ms, of the
+    # transformer block 2.0-2.3 -> 1.78-1.85 ms.) Not for ever: a job the worker has not taken by then is
+    # waited for at `wait`, as any. Polling instead, letting the GIL go between tries (`time.sleep(0)`),
+    # here or in `wait`, was no faster: MLP steps 0.93-0.99x of eager's blocking, 0.95-0.99x polling here,
+    # 0.93-0.96x polling in `wait` (fastest blocks of 10, the settings taking turns in shuffled order in one
+    # process; a fixed order had shown polling ahead). (Counted in `async_wait_seconds`, not as a wait of
+    # its own in `async_waits`.)
     started = time.perf_counter()
-    interrupted = _take(run.started, _START_POLL, _START_TIMEOUT)
-    METRICS.async_wait_seconds += time.perf_counter() - started
-    if interrupted is not None:
-        raise interrupted
-
-
-def _take(lock, poll: float, timeout: float = -1) -> BaseException | None:
-    """Acquire `lock` that the worker releases: polled for `poll` seconds, letting the GIL go in between
-    (`time.sleep(0)`), then waited for until `timeout` (-1: for ever). A thread that polls is running when
-    the worker lets go and goes on at once; one put to sleep waits for a wake-up of its own, tens of
-    microseconds on a VM. An interrupt (Ctrl-C) meanwhile is returned once the lock is taken, or the
-    waiting timed out."""
-    started = time.perf_counter()
-    acquire = lock.acquire
     interrupted = None
     while True:
         try:
-            if acquire(False):
-                break
-            if time.perf_counter() - started < poll:
-                time.sleep(0)
-                continue
-            acquire(timeout=timeout)
+            run.started.acquire(timeout=_START_TIMEOUT)
             break
-        except BaseException as exc:
+        except BaseException as exc:    # KeyboardInterrupt: raised once the worker has the job
             interrupted = exc
-    return interrupted
+    METRICS.async_wait_seconds += time.perf_counter() - started
+    if interrupted is not None:
+        raise interrupted
 
 
 def wait(reason: str = "wait") -> None:
@@ -231,11 +213,13 @@ def wait(reason: str = "wait") -> None:
             return
         interrupted = None
         if run.done.locked():
-            # (a run that ends within _WAIT_POLL is seen at once; a longer one is slept through: block 0.72x
-            # -> 0.67x of eager's step, MLP 1.01x -> 1.00x, examples/bert_mlm.py 0.83x -> 0.74x, HF GPT-2
-            # tiny 1.48x -> 1.36x, fastest blocks of 10 taking turns in one process)
             started = time.perf_counter()
-            interrupted = _take(run.done, _WAIT_POLL)     # (KeyboardInterrupt: the run finishes all the same)
+            while True:
+                try:
+                    run.done.acquire()
+                    break
+                except BaseException as exc:    # KeyboardInterrupt: the run finishes all the same
+                    interrupted = exc
             METRICS.async_wait_seconds += time.perf_counter() - started
         ENGINE.in_flight = None
         RECORDER.in_flight = None
