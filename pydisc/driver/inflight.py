@@ -8,8 +8,10 @@ with its devices, and what a CUDA stream gives a GPU for free.
 
 What waits for the run (`wait`), on the main thread:
 - the next `mark_step` or any run of pending ops (its inputs are this run's results);
-- any read of device data of a lazy tensor: `.item()`, printing, an op that runs eagerly, a lazy tensor
-  made plain, a collective; a value only this run computes, used by the next step;
+- a read of device data of a lazy tensor (`.item()`, printing, an op that runs eagerly, a lazy tensor
+  made plain) that this run computes or whose memory it writes (parameters, optimizer state:
+  `Recorder.waits_for`; the loss of the step before is read at once), any eager op that writes one, a
+  collective; a value only this run computes, used by the next step;
 - `pydisc.synchronize()`, `pydisc.metrics()`, `os.fork()` and the interpreter's exit.
 Each wait is counted by its reason in `metrics()["async_waits"]`; the time the main thread spent
 waiting in `async_wait_seconds`.
@@ -167,8 +169,10 @@ def user_memory(trace) -> set[int]:
     return ptrs
 
 
-def start(job: Callable[[], list], finish: Callable[[list | None, BaseException | None], None]) -> None:
-    """Run `job` on the worker; `finish` binds its results at the next `wait`. Call with none in flight."""
+def start(job: Callable[[], list], finish: Callable[[list | None, BaseException | None], None],
+          writes: Callable[[], frozenset]) -> None:
+    """Run `job` on the worker; `finish` binds its results at the next `wait`; `writes()`: the addresses of
+    the memory of lazy tensors that `job` writes (`Recorder.waits_for`). Call with none in flight."""
     assert ENGINE.in_flight is None, "a run is already in flight"
     if ENGINE.worker is None:
         ENGINE.worker = Worker()
@@ -176,6 +180,7 @@ def start(job: Callable[[], list], finish: Callable[[list | None, BaseException 
     run = InFlight(job, finish)
     ENGINE.in_flight = run
     RECORDER.in_flight = wait
+    RECORDER.in_flight_writes = writes
     METRICS.async_runs += 1
     ENGINE.worker.jobs.put(run)
     # Wait (without the GIL) until the worker has taken the job. The worker needs the GIL to take it, and
@@ -223,6 +228,7 @@ def wait(reason: str = "wait") -> None:
             METRICS.async_wait_seconds += time.perf_counter() - started
         ENGINE.in_flight = None
         RECORDER.in_flight = None
+        RECORDER.in_flight_writes = frozenset()
         METRICS.async_waits[reason] += 1
         ENGINE.restore_interval("in flight")
         finish, results, error = run.finish, run.results, run.error
@@ -244,6 +250,7 @@ def _forget_in_child() -> None:
     ENGINE.worker = None
     ENGINE.in_flight = None
     RECORDER.in_flight = None
+    RECORDER.in_flight_writes = frozenset()
 
 
 os.register_at_fork(before=_before_fork, after_in_child=_forget_in_child)

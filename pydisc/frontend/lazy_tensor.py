@@ -156,6 +156,9 @@ class Recorder(SymbolicInputs):
         # it, `in_flight(reason)`, which binds its results. Called before device data is read and before
         # a result of that step is used; the next step's recording does not otherwise wait.
         self.in_flight: Callable[[str], None] | None = None
+        # ... and, for that run, the memory it writes (its parameters' and optimizer state's, by address),
+        # as a function that says (called at the first read that asks, `waits_for`), then as its answer
+        self.in_flight_writes: Callable[[], frozenset] | frozenset = frozenset()
 
     def run(self, t: LazyTensor | None, reason: str) -> None:
         """Run the pending trace (all of it, or at least what `t` needs) through the driver's hook, for a
@@ -259,6 +262,22 @@ class Recorder(SymbolicInputs):
         t._storage = alias._storage
         self.adopt(t, alias)
 
+    def waits_for(self, tensors) -> bool:
+        """Whether reading the device data of the lazy tensors among `tensors` (lists of them too) waits for
+        the run in flight: one holds no data yet (a result of that run, a value being recorded) or holds
+        memory that run writes. Another's data stays as it is while the run goes on (the loss of the step
+        before, logged while this one runs)."""
+        writes = self.in_flight_writes
+        if type(writes) is not frozenset:
+            writes = self.in_flight_writes = writes()
+        for a in tensors:
+            for t in (a if type(a) is list or type(a) is tuple else (a,)):
+                if isinstance(t, LazyTensor) and (
+                        t._real is None or t._fid is not None or t._redirect is not None or
+                        t._storage.fast_written or t._real.untyped_storage().data_ptr() in writes):
+                    return True
+        return False
+
     def is_clean(self, t: LazyTensor) -> bool:
         if t._real is None:
             return False
@@ -327,7 +346,8 @@ class Recorder(SymbolicInputs):
 
     # ---- eager execution -------------------------------------------------------------------------
     def run_eager(self, func, args, kwargs, info: OpInfo, *, fallback: bool, count: bool = True):
-        if self.in_flight is not None and not (info.is_view and not info.written_args):
+        if self.in_flight is not None and not (info.is_view and not info.written_args) and (
+                info.written_args or self.waits_for(args) or self.waits_for(kwargs.values())):
             self.in_flight(str(func))     # device data is read or written (a view only points into it)
 
         def unwrap(a):
@@ -661,7 +681,7 @@ def materialize(t: LazyTensor, *, reason: str = "read") -> torch.Tensor:
     """Device data of `t`, running the pending ops it needs first."""
     if RECORDER.planning and threading.get_ident() in RECORDER.planning:
         raise RuntimeError("pydisc: planning a step read the data of one of its lazy tensors (%s)" % reason)
-    if RECORDER.in_flight is not None:
+    if RECORDER.in_flight is not None and RECORDER.waits_for((t,)):
         RECORDER.in_flight(reason)
     if t._fid is not None or t._redirect is not None or t._storage.fast_written:
         return RECORDER.fast_read(t)
