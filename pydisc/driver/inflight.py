@@ -170,17 +170,17 @@ def user_memory(trace) -> set[int]:
 
 
 def start(job: Callable[[], list], finish: Callable[[list | None, BaseException | None], None],
-          writes: Callable[[], frozenset]) -> None:
-    """Run `job` on the worker; `finish` binds its results at the next `wait`; `writes()`: the addresses of
-    the memory of lazy tensors that `job` writes (`Recorder.waits_for`). Call with none in flight."""
+          writes: Callable[[], tuple]) -> None:
+    """Run `job` on the worker; `finish` binds its results at the next `wait`; `writes()`: the memory of
+    lazy tensors that `job` writes, as (start, end) addresses (`Recorder.waits_for`). Call with none in
+    flight."""
     assert ENGINE.in_flight is None, "a run is already in flight"
     if ENGINE.worker is None:
         ENGINE.worker = Worker()
     ENGINE.shorten_interval("in flight", SWITCH_INTERVAL)
     run = InFlight(job, finish)
     ENGINE.in_flight = run
-    RECORDER.in_flight = wait
-    RECORDER.in_flight_writes = writes
+    RECORDER.note_in_flight(wait, writes)
     METRICS.async_runs += 1
     ENGINE.worker.jobs.put(run)
     # Wait (without the GIL) until the worker has taken the job. The worker needs the GIL to take it, and
@@ -227,8 +227,7 @@ def wait(reason: str = "wait") -> None:
                     interrupted = exc
             METRICS.async_wait_seconds += time.perf_counter() - started
         ENGINE.in_flight = None
-        RECORDER.in_flight = None
-        RECORDER.in_flight_writes = frozenset()
+        RECORDER.note_in_flight(None, None)
         METRICS.async_waits[reason] += 1
         ENGINE.restore_interval("in flight")
         finish, results, error = run.finish, run.results, run.error
@@ -249,8 +248,7 @@ def _forget_in_child() -> None:
     # steps would queue for nobody. It starts its own worker at its first deferred step.
     ENGINE.worker = None
     ENGINE.in_flight = None
-    RECORDER.in_flight = None
-    RECORDER.in_flight_writes = frozenset()
+    RECORDER.note_in_flight(None, None)
 
 
 os.register_at_fork(before=_before_fork, after_in_child=_forget_in_child)

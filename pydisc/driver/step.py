@@ -454,11 +454,15 @@ def _defer(plan: StepPlan, trace: Trace, executed: list[int], outputs: tuple, in
                  plan=ran, swaps=swaps if ran is plan else None)
             own_writes(current, versions)
 
-    def writes() -> frozenset:
-        # the memory of the input storages the step writes (its parameters and optimizer state): the worker
-        # copies into it, or `bind` hands it over at the wait; a read of other lazy tensors need not wait
-        return frozenset([trace.input_storages[index].real.untyped_storage().data_ptr()
-                          for kind, index in outputs if kind == "base"])
+    def writes() -> tuple:
+        # the memory of the input storages the step writes (its parameters and optimizer state), (start, end):
+        # the worker copies into it, or `bind` hands it over at the wait; a read of other memory need not wait
+        spans = []
+        for kind, index in outputs:
+            if kind == "base":
+                memory = trace.input_storages[index].real.untyped_storage()
+                spans.append((memory.data_ptr(), memory.data_ptr() + memory.nbytes()))
+        return tuple(spans)
 
     _count_step(plan)
     RECORDER.new_trace()

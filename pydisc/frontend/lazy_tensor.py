@@ -101,6 +101,12 @@ def _to_meta(a):
         return torch.device("meta")
     return a
 
+
+def _no_writes() -> tuple:
+    """What a run writes where none is in flight (`Recorder.in_flight_writes`)."""
+    return ()
+
+
 class Recorder(SymbolicInputs):
     """Owns the pending trace and records ops into it."""
 
@@ -156,9 +162,11 @@ class Recorder(SymbolicInputs):
         # it, `in_flight(reason)`, which binds its results. Called before device data is read and before
         # a result of that step is used; the next step's recording does not otherwise wait.
         self.in_flight: Callable[[str], None] | None = None
-        # ... and, for that run, the memory it writes (its parameters' and optimizer state's, by address),
-        # as a function that says (called at the first read that asks, `waits_for`), then as its answer
-        self.in_flight_writes: Callable[[], frozenset] | frozenset = frozenset()
+        # ... and, for that run, a function that says which memory it writes (its parameters' and optimizer
+        # state's: (start, end) addresses), called at the first read that asks (`waits_for`), which keeps
+        # its answer with it
+        self.in_flight_writes: Callable[[], tuple] = _no_writes
+        self.in_flight_written: tuple = (_no_writes, ())
 
     def run(self, t: LazyTensor | None, reason: str) -> None:
         """Run the pending trace (all of it, or at least what `t` needs) through the driver's hook, for a
@@ -262,20 +270,38 @@ class Recorder(SymbolicInputs):
         t._storage = alias._storage
         self.adopt(t, alias)
 
+    def note_in_flight(self, wait: Callable[[str], None] | None, writes: Callable[[], tuple] | None) -> None:
+        """The driver's run in flight: its wait and what it writes (`in_flight`, `in_flight_writes`); None,
+        None once it is bound."""
+        self.in_flight = wait
+        self.in_flight_writes = writes if writes is not None else _no_writes
+
     def waits_for(self, tensors) -> bool:
-        """Whether reading the device data of the lazy tensors among `tensors` (lists of them too) waits for
-        the run in flight: one holds no data yet (a result of that run, a value being recorded) or holds
-        memory that run writes. Another's data stays as it is while the run goes on (the loss of the step
+        """Whether reading the device data of the tensors among `tensors` (lists of them too) waits for the
+        run in flight: a lazy one holds no data yet (a result of that run, a value being recorded), or one
+        holds memory that overlaps what that run writes (a plain alias of a parameter, a NumPy round trip of
+        a parameter's row, too). Another's data stays as it is while the run goes on (the loss of the step
         before, logged while this one runs)."""
         writes = self.in_flight_writes
-        if type(writes) is not frozenset:
-            writes = self.in_flight_writes = writes()
+        cached = self.in_flight_written
+        if cached[0] is not writes:         # (a new run's: worked out once, at the first read that asks)
+            cached = self.in_flight_written = (writes, writes())
+        spans = cached[1]
         for a in tensors:
             for t in (a if type(a) is list or type(a) is tuple else (a,)):
-                if isinstance(t, LazyTensor) and (
-                        t._real is None or t._fid is not None or t._redirect is not None or
-                        t._storage.fast_written or t._real.untyped_storage().data_ptr() in writes):
-                    return True
+                if not isinstance(t, torch.Tensor):
+                    continue
+                if type(t) is LazyTensor:
+                    if t._real is None or t._fid is not None or t._redirect is not None or t._storage.fast_written:
+                        return True
+                    memory = t._real.untyped_storage()
+                else:
+                    memory = t.untyped_storage()
+                start = memory.data_ptr()
+                end = start + memory.nbytes()
+                for first, last in spans:
+                    if start < last and first < end:
+                        return True
         return False
 
     def is_clean(self, t: LazyTensor) -> bool:
@@ -346,9 +372,10 @@ class Recorder(SymbolicInputs):
 
     # ---- eager execution -------------------------------------------------------------------------
     def run_eager(self, func, args, kwargs, info: OpInfo, *, fallback: bool, count: bool = True):
-        if self.in_flight is not None and not (info.is_view and not info.written_args) and (
+        wait = self.in_flight
+        if wait is not None and not (info.is_view and not info.written_args) and (
                 info.written_args or self.waits_for(args) or self.waits_for(kwargs.values())):
-            self.in_flight(str(func))     # device data is read or written (a view only points into it)
+            wait(str(func))     # device data is read or written (a view only points into it)
 
         def unwrap(a):
             if isinstance(a, LazyTensor):
@@ -681,8 +708,9 @@ def materialize(t: LazyTensor, *, reason: str = "read") -> torch.Tensor:
     """Device data of `t`, running the pending ops it needs first."""
     if RECORDER.planning and threading.get_ident() in RECORDER.planning:
         raise RuntimeError("pydisc: planning a step read the data of one of its lazy tensors (%s)" % reason)
-    if RECORDER.in_flight is not None and RECORDER.waits_for((t,)):
-        RECORDER.in_flight(reason)
+    wait = RECORDER.in_flight
+    if wait is not None and RECORDER.waits_for((t,)):
+        wait(reason)
     if t._fid is not None or t._redirect is not None or t._storage.fast_written:
         return RECORDER.fast_read(t)
     if not RECORDER.is_clean(t):
