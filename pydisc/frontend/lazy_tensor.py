@@ -296,7 +296,10 @@ class Recorder(SymbolicInputs):
                         return True
                     memory = t._real.untyped_storage()
                 else:
-                    memory = t.untyped_storage()
+                    try:
+                        memory = t.untyped_storage()
+                    except (RuntimeError, NotImplementedError, TypeError):
+                        return True     # (a tensor subclass without memory of its own: it waits, as any did)
                 start = memory.data_ptr()
                 end = start + memory.nbytes()
                 for first, last in spans:
