@@ -238,6 +238,43 @@ def test_a_value_of_the_step_before_is_read_without_waiting_for_the_step_in_flig
     assert pydisc.metrics()["async_runs"] >= 3
 
 
+class _Checked(torch.nn.Module):
+    """A forward that reads a value made from its input after a parameter was used (HF's attention-mask
+    check after the embeddings)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(6, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        if bool((x.abs() < 1e6).all()):
+            h = torch.tanh(h)
+        return self.b(h)
+
+
+def test_a_read_in_a_forward_waits_only_for_what_it_reads(fresh):
+    """The read in a fast-recorded forward computes its value from the inputs it needs (the batch), not
+    from every input of the forward so far: it does not wait for the step running on the worker, which
+    writes the parameters; the steps equal eager."""
+    eager, lazy = _Checked(), pydisc.lazy(_Checked(), fast_record=True)
+    make = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)  # noqa: E731
+    eager_opt, lazy_opt = make(eager), make(lazy)
+    wants, losses = [], []
+    for x, y in _batches(STEPS):
+        wants.append(_step(eager, eager_opt, x, y).item())
+        losses.append(_step(lazy, lazy_opt, x, y))     # (read at the end: the next step records while it runs)
+        pydisc.mark_step()
+    torch.testing.assert_close(torch.tensor([loss.item() for loss in losses]), torch.tensor(wants), rtol=1e-5,
+                               atol=1e-6)
+    for p, q in zip(lazy.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-6)
+    m = pydisc.metrics()
+    assert m["async_runs"] >= 3 and m["fast_reads"] == STEPS, m
+    assert "read" not in m["async_waits"], m["async_waits"]
+
+
 def test_reads_of_a_step_in_flight_wait_for_it(fresh):
     """Every way of reaching a parameter's data while its step runs on the worker gives the updated
     values: an eager op, .item(), state_dict(), a clone; each wait is counted by what waited."""

@@ -380,6 +380,7 @@ class Segment(Following):
             # the calls would write the inputs' device data now, and the step again
             raise Demote("a value read before mark_step in a forward that wrote an input")
         needed = set(fids)
+        used = set()        # the inputs the picked calls take
         picked = []
         for i in range(len(self.entries) - 1, -1, -1):
             entry = self.entries[i]
@@ -391,7 +392,12 @@ class Segment(Following):
                 for v in slots:
                     if type(v) is FV:
                         needed.add(v.fid)
-        inputs = [materialize(t).detach() if type(t) is LazyTensor else t for t in self.externals]
+                    else:
+                        used.add(v.index)
+        # only those are read: a parameter the step running on the worker writes would wait for it (HF's
+        # attention-mask check reads the mask, not the embeddings computed before it)
+        inputs = [(materialize(t).detach() if type(t) is LazyTensor else t) if k in used else None
+                  for k, t in enumerate(self.externals)]
         step = FusedStep(tuple(reversed(picked)), len(inputs), (), None, (), self.device.type)
         with torch.no_grad():
             env = step.forward(inputs)
