@@ -25,6 +25,7 @@ import torch
 
 from .. import metrics as _metrics
 from ..config import CONFIG
+from .in_flight import InFlightReads
 from .layout import flat_base
 from .meta_keys import KWARGS, Recipe, constant_part, key_part, symbolic_args
 from .op_facts import OPINFOS, OpInfo, arg, draws, opinfo
@@ -102,12 +103,7 @@ def _to_meta(a):
     return a
 
 
-def _no_writes() -> tuple:
-    """What a run writes where none is in flight (`Recorder.in_flight_writes`)."""
-    return ()
-
-
-class Recorder(SymbolicInputs):
+class Recorder(SymbolicInputs, InFlightReads):
     """Owns the pending trace and records ops into it."""
 
     def __init__(self) -> None:
@@ -158,15 +154,7 @@ class Recorder(SymbolicInputs):
         # ... and for an op whose arguments may hold fast values that bypassed their handler: (args,
         # kwargs) with the ATen-level tensors they stand for, or None
         self.fast_dispatched: Callable[[tuple, dict], tuple | None] | None = None
-        # While the step before runs on a worker thread (pydisc/driver/inflight.py): the driver's wait for
-        # it, `in_flight(reason)`, which binds its results. Called before device data is read and before
-        # a result of that step is used; the next step's recording does not otherwise wait.
-        self.in_flight: Callable[[str], None] | None = None
-        # ... and, for that run, a function that says which memory it writes (its parameters' and optimizer
-        # state's: (start, end) addresses), called at the first read that asks (`waits_for`), which keeps
-        # its answer with it
-        self.in_flight_writes: Callable[[], tuple] = _no_writes
-        self.in_flight_written: tuple = (_no_writes, ())
+        InFlightReads.__init__(self)
 
     def run(self, t: LazyTensor | None, reason: str) -> None:
         """Run the pending trace (all of it, or at least what `t` needs) through the driver's hook, for a
@@ -269,43 +257,6 @@ class Recorder(SymbolicInputs):
             _SET_DATA(t, alias)         # the wrapper's sizes, strides, dtype, device; torch's checks and errors
         t._storage = alias._storage
         self.adopt(t, alias)
-
-    def note_in_flight(self, wait: Callable[[str], None] | None, writes: Callable[[], tuple] | None) -> None:
-        """The driver's run in flight: its wait and what it writes (`in_flight`, `in_flight_writes`); None,
-        None once it is bound."""
-        self.in_flight = wait
-        self.in_flight_writes = writes if writes is not None else _no_writes
-
-    def waits_for(self, tensors) -> bool:
-        """Whether reading the device data of the tensors among `tensors` (lists of them too) waits for the
-        run in flight: a lazy one holds no data yet (a result of that run, a value being recorded), or one
-        holds memory that overlaps what that run writes (a plain alias of a parameter, a NumPy round trip of
-        a parameter's row, too). Another's data stays as it is while the run goes on (the loss of the step
-        before, logged while this one runs)."""
-        writes = self.in_flight_writes
-        cached = self.in_flight_written
-        if cached[0] is not writes:         # (a new run's: worked out once, at the first read that asks)
-            cached = self.in_flight_written = (writes, writes())
-        spans = cached[1]
-        for a in tensors:
-            for t in (a if type(a) is list or type(a) is tuple else (a,)):
-                if not isinstance(t, torch.Tensor):
-                    continue
-                if type(t) is LazyTensor:
-                    if t._real is None or t._fid is not None or t._redirect is not None or t._storage.fast_written:
-                        return True
-                    memory = t._real.untyped_storage()
-                else:
-                    try:
-                        memory = t.untyped_storage()
-                    except (RuntimeError, NotImplementedError, TypeError):
-                        return True     # (a tensor subclass without memory of its own: it waits, as any did)
-                start = memory.data_ptr()
-                end = start + memory.nbytes()
-                for first, last in spans:
-                    if start < last and first < end:
-                        return True
-        return False
 
     def is_clean(self, t: LazyTensor) -> bool:
         if t._real is None:

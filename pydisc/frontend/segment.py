@@ -4,7 +4,7 @@
 fake tensors of the step's device under autocast), and returns wrapper lazy tensors (*fast values*);
 a call that matches the one its module's last segment made there takes that one's (follow.py).
 `Segment.close` turns the segment into one `FusedStep` entry of the step's trace, `Segment.evaluate`
-computes values read before `mark_step`, `Segment.demote` re-runs the calls through the dispatcher.
+(segment_reads.py) computes values read before `mark_step`, `Segment.demote` re-runs the calls through the dispatcher.
 The recorder's per-process state (the open segment, its thread, how steps are recorded) is
 `fast_state.FAST`.
 """
@@ -23,10 +23,11 @@ from ..config import CONFIG
 from .call_meta import RECIPES, Recipe, call_recipe, on_device
 from .fast_state import FAST
 from .follow import Following, Script
-from .fused import _FVS, FV, XV, Demote, FusedStep, NoMeta, _amp, _fv, _xv, decode
+from .fused import _FVS, FV, XV, Demote, FusedStep, NoMeta, _amp, _fv, _xv
 from .layout import gradient_layout, layout_key
-from .lazy_tensor import RECORDER, LazyTensor, materialize
+from .lazy_tensor import RECORDER, LazyTensor
 from .meta_keys import constant_part
+from .segment_reads import Reads, holds_tensor
 from .tensor import _make_wrapper
 from .source import user_source
 from .trace import Entry, LazyStorage, generator_states, out_kind
@@ -53,7 +54,7 @@ _LEAVES_KEPT = 256
 _PLAIN_CONSTANTS = frozenset({int, float, bool, torch.dtype, torch.Size, torch.memory_format, torch.layout})
 
 
-class Segment(Following):
+class Segment(Following, Reads):
     """The calls of one forward (and loss) recorded at `__torch_function__`."""
 
     def __init__(self, device: torch.device, armed_by: tuple | None = None) -> None:
@@ -161,7 +162,7 @@ class Segment(Following):
                 raise Demote("a tensor in a slice")
             sig.append(("slice", a.start, a.stop, a.step))
             return a
-        if isinstance(a, (list, tuple)) and _holds_tensor(a):
+        if isinstance(a, (list, tuple)) and holds_tensor(a):
             raise Demote("tensors in a %s" % t.__name__)   # a namedtuple, a list subclass
         if t is torch.device or (t is str and _device_named(a) is not None):
             d = torch.device(a)
@@ -368,63 +369,6 @@ class Segment(Following):
                     m = on_device(fake, m, self.device)
                 metas[id(v)] = m
         return call_recipe(func, enc_args, enc_kwargs, slots, metas, fake, self.device)
-
-    # ---- reads before mark_step ---------------------------------------------------------------
-    def evaluate(self, fids: list[int]) -> dict[int, torch.Tensor]:
-        """The values `fids` computed now by torch from the segment's inputs, apart from the step (which
-        computes them again): a mask's `.all()` in a forward reads a few ops. Values that depend on random
-        numbers cannot be computed apart from the step (they would differ): those demote."""
-        if CONFIG.strict:
-            raise Demote("a value read before mark_step")
-        if self.written:
-            # the calls would write the inputs' device data now, and the step again
-            raise Demote("a value read before mark_step in a forward that wrote an input")
-        needed = set(fids)
-        used = set()        # the inputs the picked calls take
-        picked = []
-        for i in range(len(self.entries) - 1, -1, -1):
-            entry = self.entries[i]
-            if any(f in needed for f in entry[3]):
-                recipe, slots = self.links[i]
-                if recipe.random:
-                    raise Demote("a value read before mark_step that depends on random numbers")
-                picked.append(entry)
-                for v in slots:
-                    if type(v) is FV:
-                        needed.add(v.fid)
-                    else:
-                        used.add(v.index)
-        # only those are read: a parameter the step running on the worker writes would wait for it (HF's
-        # attention-mask check reads the mask, not the embeddings computed before it)
-        inputs = [(materialize(t).detach() if type(t) is LazyTensor else t) if k in used else None
-                  for k, t in enumerate(self.externals)]
-        step = FusedStep(tuple(reversed(picked)), len(inputs), (), None, (), self.device.type)
-        with torch.no_grad():
-            env = step.forward(inputs)
-        METRICS.materializations += 1
-        METRICS.materialization_sources[user_source(3) or "?"] += 1
-        METRICS.fast_reads += 1
-        self.evaluated.update(env)
-        self.read_upto = len(self.entries)
-        return env
-
-    def read_call(self, func, enc_args, enc_kwargs, slots, reason: str):
-        """A call no meta kernel describes, on values computed now: its result if it holds no tensor (a
-        read: `bool(mask.all())`); otherwise (a data-dependent shape) the segment is demoted."""
-        env = self.evaluate([v.fid for v in slots if type(v) is FV])
-        reals = _Reals(self.externals)
-        args = [decode(a, env, reals) for a in enc_args]
-        kwargs = {k: decode(v, env, reals) for k, v in enc_kwargs.items()}
-        tensors = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, _Tensor)]    # (plain containers)
-        versions = [x._version for x in tensors]
-        try:
-            out = func(*args, **kwargs)
-        except Exception:
-            raise Demote(reason) from None      # eager's error, raised again by the demoted step
-        if _holds_tensor(out) or \
-                any(x._version != v for x, v in zip(tensors, versions)):
-            raise Demote(reason)    # a data-dependent shape, or a write (`h[:, n] = 0`, n a tensor)
-        return out
 
     # ---- the end of a segment ------------------------------------------------------------------
     def alive(self) -> list[LazyTensor]:
@@ -658,19 +602,6 @@ class Segment(Following):
             self.externals[i]._storage.fast_written = False
 
 
-class _Reals:
-    """The device data of a segment's inputs, by index, read when asked for (`decode`)."""
-
-    __slots__ = ("externals",)
-
-    def __init__(self, externals: list) -> None:
-        self.externals = externals
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        x = self.externals[index]
-        return materialize(x) if type(x) is LazyTensor else x
-
-
 _DEVICE_NAMES: dict[str, torch.device | None] = {}
 
 
@@ -685,21 +616,6 @@ def _device_named(s: str) -> torch.device | None:
     if len(_DEVICE_NAMES) < 4096:
         _DEVICE_NAMES[s] = d
     return d
-
-
-def _holds_tensor(a) -> bool:
-    """Whether `a` is a tensor or holds one in lists, tuples or dicts, of any subclass (pytree does not
-    look into a list subclass)."""
-    stack = [a]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, _Tensor):
-            return True
-        if isinstance(x, (list, tuple)):
-            stack.extend(x)
-        elif isinstance(x, dict):
-            stack.extend(x.values())
-    return False
 
 
 def _find(args, kwargs, slot: int):
