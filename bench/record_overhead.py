@@ -25,6 +25,7 @@ any recorder at `__torch_function__` can cost, against the eager step, taking tu
         [--models mlp,block,gpt-char,bert-mlm,bert-mlm-dropout,hf-gpt2,hf-gpt2-dropout] [--optimizer sgd|adamw]
     PYDISC_ASYNC=0 python bench/record_overhead.py ...     # mark_step returns when the step has run
     python bench/record_overhead.py --compare-async --repeats 15 --models ...   # both, taking turns
+    python bench/record_overhead.py --phases --repeats 200 --models ...   # each phase: eager, floor, pydisc
 """
 from __future__ import annotations
 
@@ -327,10 +328,9 @@ class PreparedStep:
         return iter(out) if iterates else out
 
 
-def floor(workload: Workload, repeats: int, stat: Callable[[list[float]], float], block: int = 10) -> float:
-    """The step's own Python against the eager step (`_Prepared`): the ratio of their `stat`s, taking
-    turns in blocks of `block` steps after one untimed block. Raises where the model's Python needs
-    what a prepared result cannot give (a value read, a call no meta kernel runs)."""
+def _prepared(workload: Workload) -> tuple:
+    """An eager model and its copy made of `_Prepared` tensors, the prepared step, and a batch of each:
+    (eager, prepared, step, x, y, px, py)."""
     torch.manual_seed(0)
     eager = workload.make_model()
     prepared = copy.deepcopy(eager)
@@ -342,12 +342,21 @@ def floor(workload: Workload, repeats: int, stat: Callable[[list[float]], float]
                 # would call `detach`)
                 m._parameters[name] = q = _Prepared(p.detach(), p.requires_grad)
                 grads.append((q, _Prepared(p.detach())))
-    step = PreparedStep(grads)
-    make_opt = lambda params: OPTIMIZERS[OPTIMIZER[0]](params, foreach=True)  # noqa: E731
-    eager_opt, prepared_opt = make_opt(eager.parameters()), make_opt(prepared.parameters())
     x = torch.randint(0, workload.vocab, workload.input_shape) if workload.vocab else torch.randn(workload.input_shape)
     y = torch.randint(0, workload.vocab or 10, workload.input_shape if workload.vocab else workload.input_shape[:1])
-    px, py = _Prepared(x), _Prepared(y)
+    return eager, prepared, PreparedStep(grads), x, y, _Prepared(x), _Prepared(y)
+
+
+def _foreach_optimizer(params) -> torch.optim.Optimizer:
+    return OPTIMIZERS[OPTIMIZER[0]](params, foreach=True)
+
+
+def floor(workload: Workload, repeats: int, stat: Callable[[list[float]], float], block: int = 10) -> float:
+    """The step's own Python against the eager step (`_Prepared`): the ratio of their `stat`s, taking
+    turns in blocks of `block` steps after one untimed block. Raises where the model's Python needs
+    what a prepared result cannot give (a value read, a call no meta kernel runs)."""
+    eager, prepared, step, x, y, px, py = _prepared(workload)
+    eager_opt, prepared_opt = _foreach_optimizer(eager.parameters()), _foreach_optimizer(prepared.parameters())
     eager_s, prepared_s = [], []
     changes = 0
     for k in range(1 + max(1, repeats // block)):
@@ -367,6 +376,45 @@ def floor(workload: Workload, repeats: int, stat: Callable[[list[float]], float]
     if step.changes != changes:
         raise RuntimeError("the step's calls kept changing after the warm-up steps")
     return stat(prepared_s) / stat(eager_s)
+
+
+PHASES = ("zero_grad()", "forward and loss", "backward()", "optimizer.step()")
+
+
+def phases(workload: Workload, repeats: int, warmup: int, block: int = 10) -> dict[str, list[float]]:
+    """Each phase of the step (`PHASES`) timed on its own, for eager, the floor (`_Prepared`) and pydisc
+    (with `mark_step()` after the step, untimed), taking turns in blocks of `block` steps: the fastest
+    of each, in µs, as {"eager": [...], "floor": [...], "pydisc": [...]} in the order of `PHASES`."""
+    eager, prepared, step, x, y, px, py = _prepared(workload)
+    lazy = pydisc.lazy(copy.deepcopy(eager))
+    make_opt = OPTIMIZERS[OPTIMIZER[0]]
+    # (as `measure` and `floor` have them: the floor's optimizer in its foreach form)
+    sides = {"eager": (eager, make_opt(eager.parameters()), x, y),
+             "floor": (prepared, _foreach_optimizer(prepared.parameters()), px, py),
+             "pydisc": (lazy, make_opt(lazy.parameters()), x, y)}
+    times: dict[str, list[list[float]]] = {side: [[] for _ in PHASES] for side in sides}
+    clock = time.perf_counter
+    for k in range(max(1, warmup // block) + max(1, repeats // block)):
+        for side, (model, opt, a, b) in sides.items():
+            for _ in range(block):
+                if side == "floor":
+                    step.start()
+                t0 = clock()
+                opt.zero_grad()
+                t1 = clock()
+                loss = workload.loss(model, a, b)
+                t2 = clock()
+                loss.backward()
+                t3 = clock()
+                opt.step()
+                t4 = clock()
+                if side == "pydisc":
+                    pydisc.mark_step()
+                if k >= max(1, warmup // block):
+                    for phase, (start, end) in enumerate(((t0, t1), (t1, t2), (t2, t3), (t3, t4))):
+                        times[side][phase].append(end - start)
+    pydisc.synchronize()
+    return {side: [1e6 * min(t) for t in ts] for side, ts in times.items()}
 
 
 def _time_runners() -> list[float]:
@@ -446,6 +494,10 @@ def main() -> None:
     p.add_argument("--compare-async", action="store_true",
                    help="instead: eager, PYDISC_ASYNC=1 and PYDISC_ASYNC=0 taking turns in one process "
                         "(--repeats blocks of 10 steps each, fast recording as configured)")
+    p.add_argument("--phases", action="store_true",
+                   help="instead: each phase of the step (zero_grad, forward and loss, backward, optimizer step) "
+                        "timed on its own for eager, the floor and pydisc's fast recorder, taking turns in one "
+                        "process, fastest of --repeats steps")
     p.add_argument("--intervals", default="",
                    help="with --compare-async: comma-separated GIL switch intervals (seconds) that a step in "
                         "flight sets, each a column of its own, instead of pydisc's")
@@ -467,6 +519,20 @@ def main() -> None:
             print("| %s | %.2f ms | %s | %.2f ms (%.2fx) | %d |" % (
                 WORKLOADS[name].name, e, " | ".join("%.2f ms (%.2fx)" % (r[m], r[m] / e) for m in ons),
                 r["off"], r["off"] / e, r["runs"]))
+        return
+    if args.phases:
+        print("torch %s, %d thread(s), fastest of %d steps after %d warm-up steps, each phase timed on its own, "
+              "µs, %s; the step: the sum of its phases' fastest" % (
+                  torch.__version__, torch.get_num_threads(), max(1, args.repeats // 10) * 10,
+                  max(1, args.warmup // 10) * 10, args.optimizer))
+        print()
+        print("| model | phase | eager | floor | pydisc | pydisc above the floor |")
+        print("| --- | --- | ---: | ---: | ---: | ---: |")
+        for name in args.models.split(","):
+            r = phases(WORKLOADS[name], args.repeats, args.warmup)
+            for k, phase in enumerate(PHASES + ("the step",)):
+                e, f, d = (sum(r[side]) if k == len(PHASES) else r[side][k] for side in ("eager", "floor", "pydisc"))
+                print("| %s | %s | %.0f | %.0f | %.0f | %+.0f |" % (WORKLOADS[name].name, phase, e, f, d, d - f))
         return
     stat = statistics.median if args.stat == "median" else min
     paths = {"both": (False, True), "on": (True,), "off": (False,)}[args.fast]
