@@ -18,8 +18,9 @@ machine load. A block is timed from one CUDA synchronisation to the next, with n
 between (a training loop that logs the loss every step would add a sync per step to all three), and
 the row reports the median over blocks of the time per step. pydisc's counters are per measured step:
 `clusters` (compiled clusters run), `eager` (ATen ops run by torch: matmuls and convolutions left to
-cuBLAS/cuDNN by design, plus fallbacks), `record us/op` (host time from the start of a step to its
-`mark_step()`, over the ops it recorded). The memory-bound chain also reports the bandwidth it
+cuBLAS/cuDNN by design, plus fallbacks), `record ms/step (us/entry)` (host time from the start of a step
+to its `mark_step()`, per step and per recorded entry: ATen ops through the dispatcher and calls recorded
+at `__torch_function__`). The memory-bound chain also reports the bandwidth it
 achieves counting one read of its input and one write of its output, against the device's copy
 bandwidth (`x.copy_()`, measured in the same process).
 
@@ -338,6 +339,7 @@ class Mode:
         self.opt = w.optimizer(model.parameters()) if w.loss is not None else None
         self.last = None
         self.record_seconds = 0.0
+        self.recorded_steps = 0
 
     def step(self, batch) -> None:
         w = self.w
@@ -356,6 +358,7 @@ class Mode:
             self.last = loss.detach()
         if self.name == "pydisc":
             self.record_seconds += time.perf_counter() - started
+            self.recorded_steps += 1
             pydisc.mark_step()
 
     def value(self) -> float:
@@ -576,6 +579,7 @@ def run_one(name: str, args) -> dict:
         pydisc.reset_metrics()
         for m in live:
             m.record_seconds = 0.0
+            m.recorded_steps = 0
         times = {m.name: [] for m in live}
         steps = _block_steps(live, batches, device, args)
         for block in range(args.blocks):
@@ -596,8 +600,12 @@ def run_one(name: str, args) -> dict:
     row["eager/step"] = (sum(met["fallback_ops"].values()) + sum(met["library_ops"].values())) / steps
     row["fallbacks/step"] = sum(met["fallback_ops"].values()) / steps
     # (none where the steps ran eagerly: their time is not recording)
-    row["record us/op"] = 1e6 * sum(m.record_seconds for m in modes if m.name == "pydisc") / met["recorded_ops"] \
-        if met["recorded_ops"] else None
+    # the entries: ATen ops through the dispatcher and calls recorded at __torch_function__
+    entries = met["recorded_ops"] + met.get("fast_entries", 0)
+    record_s = sum(m.record_seconds for m in modes if m.name == "pydisc")
+    record_steps = sum(m.recorded_steps for m in modes if m.name == "pydisc")
+    row["record ms/step"] = 1e3 * record_s / record_steps if record_steps and entries else None
+    row["record us/entry"] = 1e6 * record_s / entries if entries else None
     row.setdefault("compiles", met["compiles"])
     row.setdefault("disk cache hits", met["disk_cache_hits"])
     row["plans"] = met["plans_compiled"]
@@ -635,7 +643,8 @@ def _ms(v):
 
 def table(rows: list[dict]) -> str:
     out = ["| workload | eager ms | torch.compile ms | pydisc ms | pydisc/eager | pydisc/compile | first steps s "
-           "(eager / compile / pydisc) | clusters/step | eager ops/step (fallbacks) | record us/op | compiles (disk cache) |",
+           "(eager / compile / pydisc) | clusters/step | eager ops/step (fallbacks) | record ms/step (us/entry) | "
+           "compiles (disk cache) |",
            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     notes = []
     for r in rows:
@@ -658,7 +667,8 @@ def table(rows: list[dict]) -> str:
         # steps run eagerly (kept so by the step choice, or while plans were built in the background)
         # record (almost) nothing: their time per op is not recording
         eager_steps = "-> eager" in r.get("step choice", "") or r.get("steps while compiling")
-        record = "-" if eager_steps or r.get("record us/op") is None else "%.1f" % r["record us/op"]
+        record = "-" if eager_steps or r.get("record ms/step") is None else \
+            "%.2f (%.1f)" % (r["record ms/step"], r["record us/entry"])
         out.append("| %s | %s | %s | %s | %s | %s | %s | %.1f | %.1f (%.1f) | %s | %d (%d) |" % (
             r["title"], _ms(e), _ms(c), _ms(p), ratio(p, e), ratio(p, c), first, r["clusters/step"], r["eager/step"],
             r["fallbacks/step"], record, r["compiles"], r["disk cache hits"]))
