@@ -28,7 +28,9 @@ A dynamic-shape template's plan serves steps of many shapes: each shape (a `Bind
 gets a graph of its own once it has run `CAPTURE_AT` times, so that lengths that recur (a training loop
 over bucketed or variable-length batches) replay as a fixed-shape step does, where kernel-by-kernel
 launches of a BERT-base template step took 43 ms of host time for 25 ms of GPU work. Only the
-`MAX_SHAPE_GRAPHS` shapes run last keep their graphs; a shape seen once or twice is never captured.
+shapes run last keep their graphs: at least `MAX_SHAPE_GRAPHS`, more while they hold at most
+`SHAPE_GRAPH_SHARE` of the device's memory (every length of a `generate()`); a shape seen once or twice is
+never captured, and one whose graph was given back for others `MAX_EVICTIONS` times runs kernel by kernel.
 
 Each graph keeps the memory of its step (its own pool, as `torch.cuda.graph` does): the caching
 allocator's free blocks are handed back to the driver before a capture, so that the graph can take
@@ -50,7 +52,9 @@ __all__ = ["StepGraph", "make_room", "release_memory", "run_plan"]
 
 CAPTURE_AT = 3      # the plan's run that is captured: its clusters measured themselves on the 2nd
 MAX_CAPTURES = 6    # captures per plan (each one stages the inputs that moved): then kernel by kernel
-MAX_SHAPE_GRAPHS = 8    # a dynamic-shape template's shapes whose graphs keep their memory at once
+MAX_SHAPE_GRAPHS = 8    # a dynamic-shape template's shapes whose graphs keep their memory at once, at least ...
+SHAPE_GRAPH_SHARE = 0.1     # ... and more while their graphs hold at most this share of the device's memory
+MAX_EVICTIONS = 2   # a shape's graph given back for others this many times: the shape runs kernel by kernel
 _COUNTED = ("executions", "executions_torch_mlir", "direct_launches")   # what a replay repeats
 _STREAMS: dict = {}
 _LIVE: "weakref.WeakSet[StepGraph]" = weakref.WeakSet()
@@ -65,8 +69,8 @@ def run_plan(owner, runner, inputs: list, written, device: torch.device, shape: 
     new values of inputs ({output position: input position}: parameters, optimizer state): inside the
     graph those copies are its last work, and the input itself is returned.
 
-    A template has a graph per shape it runs at; only the `MAX_SHAPE_GRAPHS` captured shapes run last keep theirs
-    (and its memory); another one's is captured again when its shape comes back."""
+    A template has a graph per shape it runs at; the captured shapes run last keep theirs (and its memory),
+    `_make_room_for_shapes`."""
     graph = owner.graph
     if graph is None or graph.runner is not runner:
         graph = owner.graph = StepGraph(runner, device, written())
@@ -74,11 +78,45 @@ def run_plan(owner, runner, inputs: list, written, device: torch.device, shape: 
     if shape and graph.graph is not None:
         _SHAPES.pop(id(graph), None)
         _SHAPES[id(graph)] = weakref.ref(graph)
-        for key in list(_SHAPES)[:-MAX_SHAPE_GRAPHS]:   # the captured shapes that ran longest ago
-            old = _SHAPES.pop(key)()
-            if old is not None:
-                old.release()
+        if len(_SHAPES) > MAX_SHAPE_GRAPHS:
+            _make_room_for_shapes(device)
     return results
+
+
+def _make_room_for_shapes(device: torch.device) -> None:
+    """The captured shapes that ran longest ago give their graphs back, down to the `MAX_SHAPE_GRAPHS` run
+    last, where the graphs hold more than `SHAPE_GRAPH_SHARE` of the device's memory: BERT-base training
+    graphs of a few GB each keep 8 shapes, a decoding step's graphs of a few MB each keep every length
+    `generate()` runs at (it runs each once per call, in turn: were they given back after 8, each would be
+    captured again at every call). A shape given back `MAX_EVICTIONS` times runs kernel by kernel from then
+    on (`StepGraph.evict`): shapes that come back in turn, more than fit, would cost a capture each time."""
+    graphs = [(key, ref()) for key, ref in _SHAPES.items()]
+    held = sum(g.nbytes for _, g in graphs if g is not None and g.graph is not None)
+    budget = _shape_budget(device)
+    excess = len(graphs) - MAX_SHAPE_GRAPHS
+    for key, g in graphs:       # (the shape that ran longest ago first)
+        if g is None or g.graph is None:    # (gone, or given back already: it holds nothing)
+            del _SHAPES[key]
+            excess -= 1
+            continue
+        if excess <= 0 or (budget and held <= budget):
+            break
+        del _SHAPES[key]
+        excess -= 1
+        held -= g.nbytes
+        g.evict()
+
+
+_BUDGETS: dict = {}
+
+
+def _shape_budget(device: torch.device) -> int:
+    """The memory the shapes' graphs may hold beyond the `MAX_SHAPE_GRAPHS` run last (none off a GPU)."""
+    if device.type != "cuda":
+        return 0
+    if device not in _BUDGETS:
+        _BUDGETS[device] = int(SHAPE_GRAPH_SHARE * torch.cuda.get_device_properties(device).total_memory)
+    return _BUDGETS[device]
 
 
 class StepGraph:
@@ -99,6 +137,7 @@ class StepGraph:
         self.clone: list[bool] = []
         self.counted: dict[str, int] = {}
         self.nbytes = 0       # the memory its capture took (the graph's pool), about
+        self.evictions = 0    # times its graph was given back to make room for other shapes' (`evict`)
         _LIVE.add(self)
 
     def release(self) -> None:
@@ -107,6 +146,14 @@ class StepGraph:
             self.graph = self.outputs = None
             self.staged = {}
             self.captures -= 1       # (not a capture that an input's move caused)
+
+    def evict(self) -> None:
+        """Give the graph back to make room for other shapes' graphs (`_make_room_for_shapes`): captured again
+        when its shape comes back, up to `MAX_EVICTIONS` times; then the shape runs kernel by kernel."""
+        self.release()
+        self.evictions += 1
+        if self.evictions >= MAX_EVICTIONS and self.off is None:
+            self._give_up("more shapes of a dynamic-shape template come back in turn than keep their graphs")
 
     def __call__(self, inputs: list) -> list:
         self.calls += 1
