@@ -42,6 +42,7 @@ class DynamicState:
     step_mode: dict = field(default_factory=dict)    # step id -> True (symbolic) / False (concrete)
     force_symbolic: bool = False                     # no template matched: record the next step
     misses: int = 0                                  # steps in a row that matched no template
+    last_miss: int = -2                              # the step id of the last of them
     blocked: set = field(default_factory=set)        # (input, dim) that guards pinned: static
     last_mismatch: str = ""                          # why the last step matched no template
     fast_misses: int = 0                             # fast-recorded steps in a row no template took

@@ -90,11 +90,18 @@ def plan_concrete(trace: Trace, key: tuple, executed: list[int], outputs: tuple,
             run_eagerly(dynamic.describe(changed) + "; this step runs eagerly and the next one records "
                         "these dims as dynamic")
             return None
-        if ENGINE.dynamic.step_mode.get(RECORDER.step_id) is False and \
-                len(ENGINE.dynamic.templates) < dynamic.MAX_TEMPLATES:
+        state = ENGINE.dynamic
+        if state.step_mode.get(RECORDER.step_id) is False and len(state.templates) < dynamic.MAX_TEMPLATES and \
+                not (ENGINE.sightings[key] and state.last_miss != RECORDER.step_id - 1):
             # inputs with dynamic dims, recorded concretely, and no template fits (the first step of
             # an optimizer creates its state, later ones do not): run eagerly rather than compile for
-            # these shapes; after two such steps in a row, record the next step as a new template
+            # these shapes; after two such misses, record the next step as a new template.
+            # Not a step that missed before, sizes and all, and comes back after other steps
+            # (generate()'s last token, beyond a guard of the template of its other tokens, at each
+            # call): it is planned for its sizes as any step that comes back (below). A new template,
+            # recorded from whichever step came next, would not take it either.
+            ENGINE.sightings[key] += 1
+            state.last_miss = RECORDER.step_id
             ENGINE.dynamic.misses += 1
             ENGINE.dynamic.force_symbolic = ENGINE.dynamic.misses >= 2 or dynamic.wants_unaligned_template()
             why = ENGINE.dynamic.last_mismatch if ENGINE.dynamic.templates else ""

@@ -173,6 +173,33 @@ def test_generate_greedy_with_the_default_cache_compiles_one_plan(name: str, com
     assert m["fallback_ops"] == {}
 
 
+def test_generate_called_again_and_again_plans_nothing_after_the_first_calls(compile_on_second_sighting,
+                                                                           fresh_plans) -> None:
+    """generate() called again with the same lengths (a service answering prompts of one length): HF's
+    causal mask has the prompt's and the new tokens' total length, so the template of the decoding steps
+    guards `length + 1 < total`, and the last token's step matches no template. That step recurs at each
+    call with the same sizes: it is planned for them, once. (It was counted as one of the misses in a row
+    that call for a new template, so every other call recorded and planned a new template from whatever
+    step came next, which did not cover it either: two calls in three ran some steps eagerly, forever.)"""
+    torch.manual_seed(0)
+    eager = hf_models.gpt2().eval()
+    lazy = pydisc.lazy(copy.deepcopy(eager))
+    prompt = torch.randint(3, hf_models.VOCAB, (1, 6))
+    settings = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=2)
+    want = eager.generate(prompt, **settings)
+    pydisc.reset_metrics()
+    planned = []        # per call: (templates, plans missed in the cache, steps run eagerly)
+    for _ in range(7):
+        got = lazy.generate(prompt, **settings)
+        pydisc.mark_step()
+        assert torch.equal(got.cpu(), want)
+        m = pydisc.metrics()
+        planned.append((m["dynamic_templates"], m["graph_cache_misses"], m["dynamic_eager_steps"],
+                        m["steps_before_compile"]))
+    assert planned[-1] == planned[-3], (planned, pydisc.metrics()["recompiles"])
+    assert planned[-1][0] <= 2, planned
+
+
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_generate_a_padded_batch_compiles_one_plan(name: str, compile_on_second_sighting, fresh_plans) -> None:
     """Prompts of different lengths, left-padded, with their attention mask: HF's mask code compares the
