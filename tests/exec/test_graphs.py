@@ -294,18 +294,23 @@ class _Tagger(torch.nn.Module):
         return self.out(x)
 
 
-@pytest.mark.parametrize("device,max_shapes", [("cpu", graphs.MAX_SHAPE_GRAPHS), ("cpu", 2),
-                                               pytest.param("cuda", graphs.MAX_SHAPE_GRAPHS, marks=pytest.mark.cuda)])
-def test_each_shape_of_a_template_replays_its_own_graph(device, max_shapes, request, monkeypatch):
+@pytest.mark.parametrize("device,max_shapes,memory", [
+    ("cpu", graphs.MAX_SHAPE_GRAPHS, False), ("cpu", 2, False), ("cpu", 2, True),
+    pytest.param("cuda", graphs.MAX_SHAPE_GRAPHS, False, marks=pytest.mark.cuda)])
+def test_each_shape_of_a_template_replays_its_own_graph(device, max_shapes, memory, request, monkeypatch):
     """Training at lengths that recur runs a dynamic-shape template: each length (a binding of it) is
     captured once it has run `CAPTURE_AT` times and replayed after, with its parameters and AdamW's state
     updated in place by the graph. The parameters equal eager's after every step. With room for fewer
     shapes than recur, the shape run longest ago gives its graph back and is captured again when it comes
     back, until it gave its graph back `MAX_EVICTIONS` times: from then on it runs kernel by kernel, and the
-    steps capture nothing more (each capture would cost a device synchronisation)."""
+    steps capture nothing more (each capture would cost a device synchronisation). Where the graphs hold
+    less memory than the device lends them (`memory`), more than `MAX_SHAPE_GRAPHS` keep theirs."""
     if device == "cpu":
         request.getfixturevalue("fake_graphs")
     monkeypatch.setattr(graphs, "MAX_SHAPE_GRAPHS", max_shapes)
+    if memory:
+        monkeypatch.setattr(graphs, "_shape_budget", lambda device: 1 << 30)
+        max_shapes = 4
     pydisc.reset_metrics()
     torch.manual_seed(0)
     model = _Tagger().to(device)
