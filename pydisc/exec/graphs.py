@@ -88,8 +88,9 @@ def _make_room_for_shapes(device: torch.device) -> None:
     last, where the graphs hold more than `SHAPE_GRAPH_SHARE` of the device's memory: BERT-base training
     graphs of GBs each keep 8 shapes, decoding steps' graphs (one token's activations each) keep every
     length `generate()` runs at (it runs each once per call, in turn: were they given back after 8, each
-    would be captured again at every call). A shape given back `MAX_EVICTIONS` times runs kernel by kernel from then
-    on (`StepGraph.evict`): shapes that come back in turn, more than fit, would cost a capture each time."""
+    would be captured again at every call). A shape given back `MAX_EVICTIONS` times runs kernel by kernel
+    from then on (`StepGraph.evict`): shapes that come back in turn, more than fit, would cost a capture
+    each time."""
     graphs = [(key, ref()) for key, ref in _SHAPES.items()]
     held = sum(g.nbytes for _, g in graphs if g is not None and g.graph is not None)
     budget = _shape_budget(device)
