@@ -74,24 +74,26 @@ def run_plan(owner, runner, inputs: list, written, device: torch.device, shape: 
     graph = owner.graph
     if graph is None or graph.runner is not runner:
         graph = owner.graph = StepGraph(runner, device, written())
+    captures = METRICS.cuda_graph_captures
     results = graph(inputs)
     if shape and graph.graph is not None:
         _SHAPES.pop(id(graph), None)
         _SHAPES[id(graph)] = weakref.ref(graph)
-        if len(_SHAPES) > MAX_SHAPE_GRAPHS:
-            _make_room_for_shapes(device)
+        if len(_SHAPES) > MAX_SHAPE_GRAPHS and METRICS.cuda_graph_captures != captures:
+            _make_room_for_shapes(device)       # (only a capture adds memory)
     return results
 
 
 def _make_room_for_shapes(device: torch.device) -> None:
-    """The captured shapes that ran longest ago give their graphs back, down to the `MAX_SHAPE_GRAPHS` run
-    last, where the graphs hold more than `SHAPE_GRAPH_SHARE` of the device's memory: BERT-base training
-    graphs of GBs each keep 8 shapes, decoding steps' graphs (one token's activations each) keep every
-    length `generate()` runs at (it runs each once per call, in turn: were they given back after 8, each
-    would be captured again at every call). A shape given back `MAX_EVICTIONS` times runs kernel by kernel
-    from then on (`StepGraph.evict`): shapes that come back in turn, more than fit, would cost a capture
-    each time."""
+    """The captured shapes on `device` that ran longest ago give their graphs back while the shapes' graphs
+    there hold more than `SHAPE_GRAPH_SHARE` of its memory, the `MAX_SHAPE_GRAPHS` run last excepted:
+    BERT-base training graphs of GBs each keep 8 shapes, decoding steps' graphs (a KV cache and one
+    token's activations each) keep every length `generate()` runs at (it runs each once per call, in turn:
+    were they given back after 8, each would be captured again at every call). A shape given back
+    `MAX_EVICTIONS` times runs kernel by kernel from then on (`StepGraph.evict`): shapes that come back in
+    turn, more than fit, would cost a capture each time."""
     graphs = [(key, ref()) for key, ref in _SHAPES.items()]
+    graphs = [(key, g) for key, g in graphs if g is None or g.graph is None or g.device == device]
     held = sum(g.nbytes for _, g in graphs if g is not None and g.graph is not None)
     budget = _shape_budget(device)
     excess = len(graphs) - MAX_SHAPE_GRAPHS
@@ -108,16 +110,12 @@ def _make_room_for_shapes(device: torch.device) -> None:
         g.evict()
 
 
-_BUDGETS: dict = {}
-
-
 def _shape_budget(device: torch.device) -> int:
-    """The memory the shapes' graphs may hold beyond the `MAX_SHAPE_GRAPHS` run last (none off a GPU)."""
+    """The memory the shapes' graphs on `device` may hold in all, where more than the `MAX_SHAPE_GRAPHS`
+    run last keep theirs (none off a GPU: those keep theirs, no more)."""
     if device.type != "cuda":
         return 0
-    if device not in _BUDGETS:
-        _BUDGETS[device] = int(SHAPE_GRAPH_SHARE * torch.cuda.get_device_properties(device).total_memory)
-    return _BUDGETS[device]
+    return int(SHAPE_GRAPH_SHARE * torch.cuda.get_device_properties(device).total_memory)
 
 
 class StepGraph:
@@ -229,7 +227,9 @@ class StepGraph:
         reserved = _reserved(self.device)     # (after the cached free blocks went back: the pool's own)
         graph, outputs = _capture_graph(runner, args, self.device)
         if self.device.type == "cuda":
-            self.nbytes = max(torch.cuda.memory_reserved(self.device) - reserved, 0)
+            # its pool, and the buffers its inputs are copied into (a decoding step's: its KV cache)
+            self.nbytes = max(torch.cuda.memory_reserved(self.device) - reserved, 0) + \
+                sum(b.untyped_storage().nbytes() for b in self.staged.values())
         self.counted = {name: getattr(METRICS, name) - before[name] for name in _COUNTED}
         outputs = list(outputs)
         direct_storages = {inputs[k].untyped_storage().data_ptr() for k, _ in self.direct}

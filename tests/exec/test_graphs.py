@@ -372,6 +372,43 @@ def test_each_shape_of_a_template_replays_its_own_graph(device, max_shapes, memo
         pstep.clear_plans()
 
 
+def test_shapes_give_their_graphs_back_until_the_rest_fit_the_memory_lent(monkeypatch):
+    """Past `MAX_SHAPE_GRAPHS` captured shapes, those that ran longest ago give their graphs back until the
+    rest hold no more memory than the device lends them (`_shape_budget`), the `MAX_SHAPE_GRAPHS` run last
+    kept whatever they hold; a shape given back `MAX_EVICTIONS` times runs kernel by kernel. Graphs of
+    another device count against theirs."""
+    monkeypatch.setattr(graphs, "_SHAPES", {})
+    monkeypatch.setattr(graphs, "_not_capturable", lambda runner, device: None)
+    monkeypatch.setattr(graphs, "MAX_SHAPE_GRAPHS", 2)
+    monkeypatch.setattr(graphs, "_shape_budget", lambda device: 100)
+    cpu = torch.device("cpu")
+
+    def captured(nbytes: int, device=cpu) -> graphs.StepGraph:
+        g = graphs.StepGraph(lambda x: [x], device, {})
+        g.graph, g.nbytes = object(), nbytes     # (a capture's state, as far as making room looks)
+        graphs._SHAPES[id(g)] = weakref.ref(g)
+        return g
+
+    other = captured(1000, torch.device("meta"))
+    shapes = [captured(30) for _ in range(6)]   # 180 bytes: the three that ran longest ago give theirs back
+    graphs._make_room_for_shapes(cpu)
+    assert [g.graph is not None for g in shapes] == [False] * 3 + [True] * 3
+    assert [g.evictions for g in shapes] == [1] * 3 + [0] * 3 and other.graph is not None
+    assert all(g.off is None for g in shapes)
+    big = [captured(200) for _ in range(2)]      # the two run last keep theirs, over the budget as they are
+    graphs._make_room_for_shapes(cpu)
+    assert all(g.graph is None for g in shapes) and all(g.graph is not None for g in big)
+    for g in shapes[:3]:        # captured again, and given back again: kernel by kernel from now on
+        g.graph = object()
+        graphs._SHAPES.pop(id(g), None)
+        graphs._SHAPES[id(g)] = weakref.ref(g)
+    newest = [captured(200) for _ in range(2)]
+    graphs._make_room_for_shapes(cpu)
+    assert all(g.graph is None for g in big + shapes) and all(g.graph is not None for g in newest)
+    assert all(g.evictions == graphs.MAX_EVICTIONS and g.off is not None for g in shapes[:3])
+    assert all(g.off is None for g in shapes[3:] + big) and other.graph is not None
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_eager_windows_keep_the_graphs_where_the_device_has_room(device, request, monkeypatch):
     """Before the step choice's eager windows (`make_room`): on a GPU with as much free memory as the
