@@ -397,6 +397,9 @@ def value_refs(x, kind=ValueRef) -> list:
 # Automatic dynamic dims: a graph seen before with other sizes.
 
 MAX_TEMPLATES = 6
+# Steps that no template took, planned for their own sizes because they came back (planning.py), per
+# model; beyond, such a step counts as a miss, which calls for a new template
+MAX_REPLANNED = 4
 
 # A template recorded where a dynamic size was a multiple of this in every step so far assumes it always
 # is one (where `PYDISC_SIZE_MULTIPLES` applies, off by default): its compiled code is told so

@@ -43,6 +43,7 @@ class DynamicState:
     force_symbolic: bool = False                     # no template matched: record the next step
     misses: int = 0                                  # steps in a row that matched no template
     last_miss: int = -2                              # the step id of the last of them
+    replanned: int = 0                               # steps that missed and came back, planned for their sizes
     blocked: set = field(default_factory=set)        # (input, dim) that guards pinned: static
     last_mismatch: str = ""                          # why the last step matched no template
     fast_misses: int = 0                             # fast-recorded steps in a row no template took

@@ -91,23 +91,26 @@ def plan_concrete(trace: Trace, key: tuple, executed: list[int], outputs: tuple,
                         "these dims as dynamic")
             return None
         state = ENGINE.dynamic
-        if state.step_mode.get(RECORDER.step_id) is False and len(state.templates) < dynamic.MAX_TEMPLATES and \
-                not (ENGINE.sightings[key] and state.last_miss != RECORDER.step_id - 1):
+        missed = state.step_mode.get(RECORDER.step_id) is False and len(state.templates) < dynamic.MAX_TEMPLATES
+        if missed and ENGINE.sightings[key] and state.last_miss < RECORDER.step_id - 1 and \
+                state.replanned < dynamic.MAX_REPLANNED:
+            # A step that ran before, sizes and all, and comes back after other steps (generate()'s last
+            # token, beyond a guard of the template of its other tokens, at each call): planned for its
+            # sizes as any step that comes back (below), up to `MAX_REPLANNED` per model. A new template,
+            # recorded from whichever step came next, would not take it either.
+            state.replanned += 1
+        elif missed:
             # inputs with dynamic dims, recorded concretely, and no template fits (the first step of
             # an optimizer creates its state, later ones do not): run eagerly rather than compile for
-            # these shapes; after two such misses, record the next step as a new template.
-            # Not a step that missed before, sizes and all, and comes back after other steps
-            # (generate()'s last token, beyond a guard of the template of its other tokens, at each
-            # call): it is planned for its sizes as any step that comes back (below). A new template,
-            # recorded from whichever step came next, would not take it either.
+            # these shapes; after two such misses, record the next step as a new template
             ENGINE.sightings[key] += 1
             state.last_miss = RECORDER.step_id
-            ENGINE.dynamic.misses += 1
-            ENGINE.dynamic.force_symbolic = ENGINE.dynamic.misses >= 2 or dynamic.wants_unaligned_template()
-            why = ENGINE.dynamic.last_mismatch if ENGINE.dynamic.templates else ""
+            state.misses += 1
+            state.force_symbolic = state.misses >= 2 or dynamic.wants_unaligned_template()
+            why = state.last_mismatch if state.templates else ""
             run_eagerly("a step with dynamic inputs matches no dynamic-shape plan%s; it runs eagerly%s" % (
                 " (the last template tried: %s)" % why if why else "",
-                " and the next one is recorded as a new template" if ENGINE.dynamic.force_symbolic else ""))
+                " and the next one is recorded as a new template" if state.force_symbolic else ""))
             return None
     if ENGINE.sightings[key] + 1 < CONFIG.compile_after:
         # a graph seen for the first time runs eagerly; it is compiled when it comes back
